@@ -1,0 +1,37 @@
+"""Package definition for vmoe_ext."""
+
+import re
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+HERE = Path(__file__).parent
+VERSION = re.search(r'__version__ = "([^"]+)"',
+                    (HERE / "vmoe_ext" / "__init__.py").read_text()).group(1)
+
+setup(
+    name="vmoe_ext",
+    version=VERSION,
+    description=("Sparse Mixture-of-Experts vision models in JAX/Flax: V-MoE, "
+                 "expert choice, SoftMoE, pluggable routers and streams."),
+    long_description=(HERE / "README.md").read_text(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.11",
+    packages=find_packages(include=["vmoe_ext", "vmoe_ext.*"]),
+    install_requires=[
+        "jax>=0.10",
+        "jaxlib>=0.10",
+        "flax>=0.12",
+        "optax>=0.2.5",
+        "orbax-checkpoint>=0.11",
+        "ml-collections>=1.0",
+        "chex>=0.1.90",
+        "numpy>=1.26",
+        "scipy>=1.11",
+        "absl-py>=2.1",
+        "mlxtend>=0.23",
+    ],
+    extras_require={
+        "dev": ["pytest>=8", "hypothesis>=6.100"],
+    },
+)

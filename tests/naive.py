@@ -1,0 +1,80 @@
+"""Independent references: naive per-token loops in NumPy (no JAX tricks)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def gelu(x):
+  """tanh-approximate GELU, as `flax.linen.gelu` (approximate=True)."""
+  return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+
+
+def expert_mlp(params, e, v):
+  """Expert e of `MlpExperts` params applied to one token `v[D]`."""
+  p = {k: np.asarray(a, np.float64) for k, a in params.items()}
+  h = gelu(v @ p["wi"][e] + p["bi"][e])
+  return h @ p["wo"][e] + p["bo"][e]
+
+
+def token_choice_kept(idx, valid, gates, num_experts, capacity,
+                      batch_priority=False):
+  """Which `(g, s, k)` choices fit, filling buffers choice-major, one by one."""
+  g_, s_, k_ = idx.shape
+  kept = np.zeros(idx.shape, bool)
+  for g in range(g_):
+    counts = np.zeros(num_experts, int)
+    order = list(range(s_))
+    if batch_priority:
+      prio = [max([gates[g, s, k] for k in range(k_) if valid[g, s, k]],
+                  default=-np.inf) for s in range(s_)]
+      order = sorted(order, key=lambda s: -prio[s])  # Stable sort.
+    for k in range(k_):
+      for s in order:
+        if not valid[g, s, k]:
+          continue
+        e = idx[g, s, k]
+        if counts[e] < capacity:
+          kept[g, s, k] = True
+          counts[e] += 1
+  return kept
+
+
+def token_choice_moe(x, idx, gates, valid, num_experts, capacity, params,
+                     batch_priority=False):
+  """MoE output `[G, S, D]` of token-choice routing, token by token."""
+  x = np.asarray(x, np.float64)
+  kept = token_choice_kept(idx, valid, gates, num_experts, capacity,
+                           batch_priority)
+  y = np.zeros_like(x)
+  for g, s, k in np.ndindex(*idx.shape):
+    if kept[g, s, k]:
+      y[g, s] += gates[g, s, k] * expert_mlp(params, idx[g, s, k], x[g, s])
+  return y
+
+
+def expert_choice_moe(x, token_indices, weights, params):
+  """MoE output of expert-choice routing `[G, E, C]`, pick by pick."""
+  x = np.asarray(x, np.float64)
+  y = np.zeros_like(x)
+  for g, e, c in np.ndindex(*token_indices.shape):
+    s = token_indices[g, e, c]
+    y[g, s] += weights[g, e, c] * expert_mlp(params, e, x[g, s])
+  return y
+
+
+def soft_moe(x, dispatch, combine, params):
+  """SoftMoE output: slot inputs as weighted sums, outputs recombined."""
+  x = np.asarray(x, np.float64)
+  g_, s_, e_, p_ = dispatch.shape
+  y = np.zeros_like(x)
+  for g in range(g_):
+    for e in range(e_):
+      for p in range(p_):
+        slot_in = sum(dispatch[g, s, e, p] * x[g, s] for s in range(s_))
+        slot_out = expert_mlp(params, e, slot_in)
+        for s in range(s_):
+          y[g, s] += combine[g, s, e, p] * slot_out
+  return y

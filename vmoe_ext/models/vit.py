@@ -1,0 +1,244 @@
+"""Vision Transformer with sparse MoE blocks (V-MoE layout), dense ViT, SoftMoE ViT.
+
+One encoder serves all three: a dense ViT has no MoE blocks, a V-MoE replaces
+the MLP of some blocks by an `MoeLayer` with a token-choice or expert-choice
+router, a SoftMoE ViT uses the "soft" router with one image per group. The
+encoder threads a `RoutingContext` through the blocks so that routers and
+residual streams that look across layers stay pure functions.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from vmoe_ext.errors import ConfigError, require
+from vmoe_ext.models.placement import resolve_moe_layers
+from vmoe_ext.moe.layer import MoeLayer
+from vmoe_ext.routers.base import RoutingContext
+from vmoe_ext.routers.registry import ROUTERS
+from vmoe_ext.streams import STREAMS
+
+Array = jax.Array
+CLASSIFIERS = ("token", "gap")
+
+# Settable fields of the `moe` config dict and their defaults.
+MOE_DEFAULTS: dict[str, Any] = {
+    "layers": None,             # explicit 0-based block indices, or
+    "every": None,              # every N-th block (N-1, 2N-1, ...), and/or
+    "last": None,               # the last N candidates
+    "num_experts": 8,           # E
+    "hidden_size": None,        # H of each expert (None: the model's mlp_dim)
+    "group_size": None,         # S (None: one image per group)
+    "capacity_factor": 1.0,     # cf
+    "capacity_multiple": 1,     # round C up to this multiple
+    "dispatcher": "indices",    # "indices" | "einsum"
+    "batch_priority": False,    # BPR
+    "dropout_rate": None,       # expert dropout (None: the model's)
+    "expert_init": "independent",
+    "router": {"name": "noisy_topk", "num_selected": 1},
+    "stream": {"name": "plain"},
+}
+
+
+def moe_config(moe: Optional[Mapping[str, Any]]) -> Optional[dict[str, Any]]:
+  """Fills defaults into an `moe` config dict; unknown keys are errors."""
+  if moe is None:
+    return None
+  moe = {k: (dict(v) if isinstance(v, Mapping) else v)
+         for k, v in dict(moe).items()}
+  unknown = sorted(set(moe) - set(MOE_DEFAULTS))
+  if unknown:
+    raise ConfigError(f"moe.{unknown[0]}", f"unknown field; known fields: "
+                      f"{sorted(MOE_DEFAULTS)}")
+  return {**MOE_DEFAULTS, **moe}
+
+
+class MlpBlock(nn.Module):
+  """Dense ViT MLP `D -> H -> D` with GELU and dropout."""
+  mlp_dim: int
+  dropout_rate: float = 0.0
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: Array, *, deterministic: bool = True) -> Array:
+    d = x.shape[-1]
+    init = dict(kernel_init=nn.initializers.xavier_uniform(),
+                bias_init=nn.initializers.normal(stddev=1e-6), dtype=self.dtype)
+    x = nn.gelu(nn.Dense(self.mlp_dim, name="Dense_0", **init)(x))
+    x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
+    x = nn.Dense(d, name="Dense_1", **init)(x)
+    return nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
+
+
+class EncoderBlock(nn.Module):
+  """Pre-LN block: `x + Attn(LN(x))`, then the MLP or MoE through the stream.
+
+  Dense blocks use the plain residual; MoE blocks use the configured stream,
+  whose state travels in `ctx.stream_state`.
+  """
+  num_heads: int
+  mlp_dim: int
+  dropout_rate: float = 0.0
+  attention_dropout_rate: float = 0.0
+  moe: Optional[Mapping[str, Any]] = None  # filled by `moe_config`
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: Array, ctx: RoutingContext, *,
+               deterministic: bool = True) -> tuple[Array, RoutingContext,
+                                                     Optional[dict]]:
+    """x: `[B, T, D]` -> `[B, T, D]`, the updated context, MoE metrics."""
+    y = nn.LayerNorm(name="LayerNorm_0", dtype=self.dtype)(x)
+    y = nn.MultiHeadDotProductAttention(
+        num_heads=self.num_heads, dropout_rate=self.attention_dropout_rate,
+        deterministic=deterministic, dtype=self.dtype, name="Attention")(y, y)
+    y = nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
+    x = x + y
+    norm = nn.LayerNorm(name="LayerNorm_1", dtype=self.dtype)
+    if self.moe is None:
+      mlp = MlpBlock(self.mlp_dim, self.dropout_rate, self.dtype, name="Mlp")
+      return x + mlp(norm(x), deterministic=deterministic), ctx, None
+
+    moe_layer = build_moe_layer(self.moe, self.mlp_dim, self.dropout_rate,
+                                self.dtype, name="Moe")
+    stream = STREAMS.build(self.moe["stream"], parent=self, name="Stream")
+
+    def ffn(z: Array):
+      out, metrics, routing = moe_layer(norm(z), ctx,
+                                        deterministic=deterministic)
+      return out, (metrics, routing)
+
+    x, state, (metrics, routing) = stream(x, ffn, ctx.stream_state)
+    ctx = ctx.after_moe(routing).replace(stream_state=state)
+    return x, ctx, metrics
+
+
+def build_moe_layer(moe: Mapping[str, Any], mlp_dim: int, dropout_rate: float,
+                    dtype: Any, **module_kwargs: Any) -> MoeLayer:
+  """The `MoeLayer` described by a filled `moe` config dict."""
+  router = ROUTERS.build(moe["router"], num_experts=moe["num_experts"],
+                         parent=None)
+  return MoeLayer(
+      router=router,
+      hidden_size=moe["hidden_size"] or mlp_dim,
+      group_size=moe["group_size"],
+      capacity_factor=moe["capacity_factor"],
+      capacity_multiple=moe["capacity_multiple"],
+      dispatcher=moe["dispatcher"],
+      batch_priority=moe["batch_priority"],
+      dropout_rate=(dropout_rate if moe["dropout_rate"] is None
+                    else moe["dropout_rate"]),
+      expert_init=moe["expert_init"],
+      dtype=dtype, **module_kwargs)
+
+
+class VisionTransformerMoe(nn.Module):
+  """ViT / V-MoE / SoftMoE-ViT classifier on `[B, H, W, C]` images.
+
+  Attributes:
+    num_classes: output classes.
+    patch_size: `(ph, pw)` patch size; must divide the image size.
+    hidden_size: D.
+    num_layers: encoder blocks.
+    num_heads: attention heads (must divide D).
+    mlp_dim: H of the dense MLPs (and of the experts unless moe.hidden_size).
+    classifier: "token" (class token) or "gap" (global average pooling).
+    dropout_rate / attention_dropout_rate: dropout rates.
+    moe: None for a dense ViT, else a dict of `MOE_DEFAULTS` fields.
+
+  Calling it returns `(logits [B, num_classes], metrics)` where `metrics` has
+  `auxiliary_loss` (sum over MoE layers, 0 for a dense model) and, per MoE
+  block i, `metrics["layer_i"]` with that layer's losses, `expert_load [E]`,
+  `expert_usage [E]` and `drop_rate`. Each MoE layer sows its `expert_mask`
+  `[B, T, E]` and (token choice) `selected_experts` `[B, T, K]` into the
+  "intermediates" collection.
+  """
+  num_classes: int
+  patch_size: tuple[int, int] = (4, 4)
+  hidden_size: int = 64
+  num_layers: int = 4
+  num_heads: int = 4
+  mlp_dim: int = 128
+  classifier: str = "token"
+  dropout_rate: float = 0.0
+  attention_dropout_rate: float = 0.0
+  moe: Optional[Mapping[str, Any]] = None
+  dtype: Any = jnp.float32
+
+  def __post_init__(self):
+    require(self.num_classes > 0, "num_classes",
+            f"must be positive, got {self.num_classes}")
+    require(self.classifier in CLASSIFIERS, "classifier",
+            f"must be one of {CLASSIFIERS}, got {self.classifier!r}")
+    require(self.hidden_size % self.num_heads == 0, "num_heads",
+            f"{self.num_heads} heads do not divide hidden_size "
+            f"{self.hidden_size}")
+    for field in ("dropout_rate", "attention_dropout_rate"):
+      rate = getattr(self, field)
+      require(0.0 <= rate < 1.0, field, f"must be in [0, 1), got {rate}")
+    moe = moe_config(self.moe)
+    if moe is not None:
+      # Validate everything now, before any tracing: placement, router, layer.
+      resolve_moe_layers(self.num_layers, moe["layers"], moe["every"],
+                         moe["last"])
+      require(isinstance(moe["num_experts"], int) and moe["num_experts"] > 0,
+              "moe.num_experts",
+              f"must be a positive integer, got {moe['num_experts']!r}")
+      build_moe_layer(moe, self.mlp_dim, self.dropout_rate, self.dtype,
+                      parent=None)
+      STREAMS.get(moe["stream"].get("name"))
+    object.__setattr__(self, "moe", moe)
+    super().__post_init__()
+
+  @property
+  def moe_layers(self) -> tuple[int, ...]:
+    if self.moe is None:
+      return ()
+    return resolve_moe_layers(self.num_layers, self.moe["layers"],
+                              self.moe["every"], self.moe["last"])
+
+  @nn.compact
+  def __call__(self, images: Array, *, deterministic: bool = True
+               ) -> tuple[Array, dict[str, Any]]:
+    b, h, w, _ = images.shape
+    ph, pw = self.patch_size
+    require(h % ph == 0 and w % pw == 0, "patch_size",
+            f"patch {self.patch_size} does not divide the image size "
+            f"{(h, w)}")
+    x = nn.Conv(self.hidden_size, (ph, pw), strides=(ph, pw), padding="VALID",
+                dtype=self.dtype, name="embedding")(images)
+    x = x.reshape(b, -1, self.hidden_size)
+    if self.classifier == "token":
+      cls = self.param("cls", nn.initializers.zeros, (1, 1, self.hidden_size))
+      x = jnp.concatenate([jnp.broadcast_to(cls, (b, 1, self.hidden_size))
+                           .astype(x.dtype), x], axis=1)
+    posemb = self.param("pos_embedding", nn.initializers.normal(stddev=0.02),
+                        (1,) + x.shape[1:])
+    x = x + posemb.astype(x.dtype)
+    x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
+
+    moe_layers = self.moe_layers
+    ctx = RoutingContext()
+    metrics: dict[str, Any] = {}
+    for i in range(self.num_layers):
+      x, ctx, layer_metrics = EncoderBlock(
+          num_heads=self.num_heads, mlp_dim=self.mlp_dim,
+          dropout_rate=self.dropout_rate,
+          attention_dropout_rate=self.attention_dropout_rate,
+          moe=self.moe if i in moe_layers else None, dtype=self.dtype,
+          name=f"encoderblock_{i}")(x, ctx.at_layer(i),
+                                    deterministic=deterministic)
+      if layer_metrics is not None:
+        metrics[f"layer_{i}"] = layer_metrics
+    x = nn.LayerNorm(name="encoder_norm", dtype=self.dtype)(x)
+    x = x[:, 0] if self.classifier == "token" else jnp.mean(x, axis=1)
+    logits = nn.Dense(self.num_classes, kernel_init=nn.initializers.zeros,
+                      dtype=self.dtype, name="head")(x)
+    metrics["auxiliary_loss"] = sum(
+        (m["auxiliary_loss"] for m in metrics.values()),
+        jnp.zeros((), jnp.float32))
+    return logits, metrics

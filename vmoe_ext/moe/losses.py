@@ -1,0 +1,67 @@
+"""Auxiliary load-balancing losses of sparse MoE routers (DESIGN §4.1).
+
+Every loss takes per-group arrays `[G, S, E]` (or `[G, S]`) and returns a
+scalar: the loss is computed per group and averaged over groups, so a sharded
+run whose devices hold whole groups computes the same value as a single device.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+def cv_squared(values: Array, axis: int = -1) -> Array:
+  """Squared coefficient of variation `var(v) / mean(v)^2` along `axis`.
+
+  Computed through the (population) variance, never through `jnp.std`: the
+  gradient of `std` at zero spread is `0/0 = NaN`, the gradient of the variance
+  is exactly 0, so perfectly balanced routing trains with finite gradients.
+  """
+  mean = jnp.mean(values, axis=axis)
+  var = jnp.mean(jnp.square(values - jnp.expand_dims(mean, axis)), axis=axis)
+  return var / jnp.square(mean)
+
+
+def importance_loss(gates: Array) -> Array:
+  """`L_imp = CV^2(imp)` with `imp_e = sum_s gates[g, s, e]`; gates `[G, S, E]`."""
+  importance = jnp.sum(gates, axis=-2)  # [G, E]
+  return jnp.mean(cv_squared(importance))
+
+
+def load_loss(logits: Array, noisy_logits: Array, noise_std: float,
+              num_selected: int) -> Array:
+  """Load loss of Shazeer et al. / V-MoE; logits `[G, S, E]`.
+
+  `thr_s` is the K-th largest *noisy* logit of token s; the probability that
+  expert e stays in the top-K when its noise is resampled is
+  `p[s, e] = 1 - Phi((thr_s - l[s, e]) / noise_std)`; `load_e = sum_s p[s, e]`.
+  """
+  threshold = jax.lax.top_k(noisy_logits, num_selected)[0][..., -1:]  # [G,S,1]
+  z = (threshold - logits) / noise_std
+  prob = 1.0 - jax.scipy.stats.norm.cdf(z)
+  load = jnp.sum(prob, axis=-2)  # [G, E]
+  return jnp.mean(cv_squared(load))
+
+
+def gshard_loss(gates: Array, top1_expert: Array) -> Array:
+  """GShard/Switch loss `E^2 * mean_e(frac_e * mean_prob_e)`.
+
+  Args:
+    gates: `[G, S, E]` router probabilities.
+    top1_expert: `[G, S]` int, each token's first choice; `frac_e` is the
+      fraction of tokens whose first choice is e. Equals 1 at perfect balance.
+  """
+  num_experts = gates.shape[-1]
+  frac = jnp.mean(jax.nn.one_hot(top1_expert, num_experts, dtype=gates.dtype),
+                  axis=-2)
+  mean_prob = jnp.mean(gates, axis=-2)
+  per_group = num_experts**2 * jnp.mean(frac * mean_prob, axis=-1)
+  return jnp.mean(per_group)
+
+
+def z_loss(logits: Array) -> Array:
+  """Router z-loss `mean(logsumexp(l)^2)` over all tokens; logits `[G,S,E]`."""
+  return jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))

@@ -1,0 +1,23 @@
+"""Config name -> router class. A new router is one new module plus one line here."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from vmoe_ext.registry import Registry
+
+ROUTERS = Registry("router", {
+    "noisy_topk": "vmoe_ext.routers.topk:NoisyTopKRouter",
+    "expert_choice": "vmoe_ext.routers.expert_choice:ExpertChoiceRouter",
+    "soft": "vmoe_ext.routers.soft:SoftRouter",
+})
+
+
+def get_router_class(name: str) -> type:
+  """The router class registered under `name`."""
+  return ROUTERS.get(name)
+
+
+def build_router(config: Mapping[str, Any], num_experts: int):
+  """Instantiates the router `config = {"name": ..., **fields}` with E experts."""
+  return ROUTERS.build(config, num_experts=num_experts)

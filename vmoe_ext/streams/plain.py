@@ -1,0 +1,19 @@
+"""The plain residual connection `x + f(x)`: stateless."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from vmoe_ext.streams.base import Ffn, ResidualStream
+
+Array = jax.Array
+
+
+class PlainResidual(ResidualStream):
+  """`x_{t+1} = x_t + f(x_t)`; the state passes through untouched."""
+
+  def __call__(self, x: Array, ffn: Ffn, state: Any) -> tuple[Array, Any, Any]:
+    f, aux = ffn(x)
+    return x + f, state, aux
