@@ -25,7 +25,7 @@ def group_tokens(x: Array, group_size: Optional[int]) -> Array:
   """
   b, t, d = x.shape
   s = t if group_size is None else group_size
-  require((b * t) % s == 0, "group_size",
+  require((b * t) % s == 0, "moe.group_size",
           f"group size S={s} does not divide the B*T={b}*{t}={b * t} tokens "
           "of the batch")
   return x.reshape(b * t // s, s, d)

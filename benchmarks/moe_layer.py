@@ -1,0 +1,119 @@
+"""Forward+backward cost of one MoE layer: indices vs einsum dispatch vs dense.
+
+    python benchmarks/moe_layer.py [--quick] [--repeats N]
+
+Full shape (issue "Foundation"): T=2048 tokens, D=384, H=1536, E=8, K=2,
+cf=1.25. Candidates, measured side by side in one process (median of the
+interleaved repetitions after warm-up), each computing the gradient of a
+scalar loss w.r.t. the tokens and all parameters:
+
+* indices      gather/scatter dispatch, one group of all T tokens;
+* einsum_all   one-hot einsum dispatch, one group of all T tokens;
+* einsum_g256  one-hot einsum dispatch, groups of 256 tokens;
+* dense_active a dense FFN `D -> H*K -> D` on all tokens (same active width).
+
+FLOPs are XLA's cost analysis of each compiled step; the ideal count is
+`3 * (T*K*4*D*H + 2*T*D*E)` (forward = routed expert matmuls of the K chosen
+experts of every token plus the router; backward = 2x forward). The last line
+printed is one JSON object with the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import machine, print_json_last, time_side_by_side, xla_flops  # noqa: E402
+
+from vmoe_ext.models.vit import MlpBlock  # noqa: E402
+from vmoe_ext.moe import MoeLayer  # noqa: E402
+from vmoe_ext.routers import RoutingContext, build_router  # noqa: E402
+
+FULL = dict(tokens=2048, d=384, h=1536, e=8, k=2, cf=1.25, small_group=256)
+QUICK = dict(tokens=256, d=64, h=256, e=4, k=2, cf=1.25, small_group=64)
+
+
+def make_step(module, x):
+  """Jitted forward+backward: loss and its grads w.r.t. params and x.
+
+  The loss value is returned too, so that no forward computation is dead code
+  (with a linear loss the last forward matmul is otherwise not needed).
+  """
+  variables = module.init(jax.random.key(0), *_call_args(module, x))
+  cot = jax.random.normal(jax.random.key(1), x.shape, x.dtype)
+
+  def loss(params, x):
+    out = module.apply({"params": params}, *_call_args(module, x))
+    y = out[0] if isinstance(out, tuple) else out
+    return jnp.sum(y * cot)
+
+  grad_fn = jax.value_and_grad(loss, argnums=(0, 1))
+  step = jax.jit(grad_fn)
+  params = variables["params"]
+  return (lambda: step(params, x)), (grad_fn, params, x)
+
+
+def _call_args(module, x):
+  return (x, RoutingContext()) if isinstance(module, MoeLayer) else (x,)
+
+
+def main(argv=None) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true", help="small shapes")
+  parser.add_argument("--repeats", type=int, default=7)
+  args = parser.parse_args(argv)
+  s = QUICK if args.quick else FULL
+  t, d, h, e, k, cf = s["tokens"], s["d"], s["h"], s["e"], s["k"], s["cf"]
+  x = jax.random.normal(jax.random.key(2), (1, t, d), jnp.float32)
+
+  def moe(dispatcher, group_size):
+    router = build_router({"name": "noisy_topk", "num_selected": k},
+                          num_experts=e)
+    return MoeLayer(router=router, hidden_size=h, group_size=group_size,
+                    capacity_factor=cf, dispatcher=dispatcher)
+
+  candidates = {
+      "indices": moe("indices", t),
+      "einsum_all": moe("einsum", t),
+      "einsum_g256" if not args.quick else "einsum_small": moe(
+          "einsum", s["small_group"]),
+      "dense_active": MlpBlock(mlp_dim=h * k),
+  }
+  steps, flops = {}, {}
+  for name, module in candidates.items():
+    steps[name], (grad_fn, params, xx) = make_step(module, x)
+    flops[name] = xla_flops(grad_fn, params, xx)
+  times = time_side_by_side(steps, repeats=max(5, args.repeats))
+
+  ideal = 3 * (t * k * 4 * d * h + 2 * t * d * e)
+  small = "einsum_g256" if not args.quick else "einsum_small"
+  print(f"machine: {machine()}")
+  print(f"shape: T={t} D={d} H={h} E={e} K={k} cf={cf}; ideal fwd+bwd FLOPs "
+        f"{ideal / 1e9:.2f} G")
+  print(f"{'candidate':<14}{'median ms':>12}{'XLA GFLOPs':>12}{'vs ideal':>10}")
+  for name in candidates:
+    print(f"{name:<14}{times[name] * 1e3:>12.1f}{flops[name] / 1e9:>12.2f}"
+          f"{flops[name] / ideal:>10.2f}")
+  figures = {
+      "quick": bool(args.quick),
+      "indices_vs_einsum_all": times["indices"] / times["einsum_all"],
+      "indices_vs_einsum_groups": times["indices"] / times[small],
+      "indices_vs_dense_active": times["indices"] / times["dense_active"],
+      "indices_flops_vs_ideal": flops["indices"] / ideal,
+      "einsum_all_flops_vs_ideal": flops["einsum_all"] / ideal,
+      "indices_ms": times["indices"] * 1e3,
+      "einsum_all_ms": times["einsum_all"] * 1e3,
+      "einsum_groups_ms": times[small] * 1e3,
+      "dense_active_ms": times["dense_active"] * 1e3,
+  }
+  print_json_last(figures)
+  return figures
+
+
+if __name__ == "__main__":
+  main()
