@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import chex
+import hypothesis
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -248,3 +250,31 @@ def test_expert_init_modes():
   np.testing.assert_array_equal(p["wo"][1], p["wo"][2])
   with pytest.raises(ConfigError, match="init_mode"):
     MlpExperts(num_experts=3, hidden_size=5, init_mode="copy")
+
+
+@hypothesis.settings(max_examples=12, deadline=None,
+                     suppress_health_check=list(hypothesis.HealthCheck))
+@hypothesis.given(g=st.integers(1, 3), s=st.integers(1, 9),
+                  e=st.integers(1, 6), data=st.data())
+def test_random_shapes_einsum_equals_indices_equals_loop(g, s, e, data):
+  k = data.draw(st.integers(1, e))
+  cf = data.draw(st.sampled_from([0.25, 0.5, 1.0, 1.5, 3.0]))
+  bpr = data.draw(st.booleans())
+  seed = data.draw(st.integers(0, 2**16))
+  rng = np.random.default_rng(seed)
+  d = 3
+  idx, gates, valid = random_token_routing(rng, g, s, e, k, with_invalid=True)
+  x = rng.normal(size=(g, s, d)).astype(np.float32)
+  capacity = compute_capacity(s, k, cf, e)
+  apply, params = _experts(jax.random.key(seed), e, d, h=4)
+  routing = TokenChoiceRouting.create(jnp.asarray(idx), jnp.asarray(gates),
+                                      jnp.asarray(valid))
+  expected = naive.token_choice_moe(x, idx, gates, valid, e, capacity, params,
+                                    bpr)
+  for kind in ("einsum", "indices"):
+    # One compilation per shape instead of many small eager kernels.
+    run = jax.jit(lambda routing, x, kind=kind: _run(make_dispatch_plan(
+        routing, num_experts=e, group_size=s, capacity=capacity, kind=kind,
+        batch_priority=bpr), x, apply))
+    np.testing.assert_allclose(run(routing, jnp.asarray(x)), expected,
+                               rtol=1e-5, atol=1e-5, err_msg=kind)
