@@ -1,0 +1,303 @@
+"""Optimizer factory: learning-rate schedules, Adam/AdamW/SGD, decay masks.
+
+The `optimizer` config section (an ml_collections ConfigDict or any Mapping)
+has these fields; anything else is an error (catches typos):
+
+  name:               "adam" | "adamw" | "sgd" (required).
+  learning_rate:      peak learning rate, >= 0 (required).
+  warmup_steps:       linear warmup from 0 to the peak, >= 0 (default 0).
+  decay:              "cosine" | "linear" | "constant" (default "cosine").
+  total_steps:        steps of the whole run, > 0; required unless decay is
+                      "constant". warmup_steps <= total_steps.
+  end_learning_rate:  value reached at total_steps by "cosine"/"linear",
+                      0 <= end <= peak (default 0; ignored by "constant").
+  b1, b2, eps:        Adam moments (defaults 0.9, 0.999, 1e-8); adam/adamw.
+  momentum:           SGD momentum in [0, 1) (default 0: plain SGD); sgd only.
+  nesterov:           Nesterov momentum (default False); sgd with momentum>0.
+  weight_decay:       decoupled weight decay, >= 0 (default 0). Allowed for
+                      "adamw" and "sgd"; "adam" with a nonzero value is an
+                      error (that optimizer is "adamw").
+  weight_decay_mask:  which parameters decay: "all" or "no_bias_norm"
+                      (default; see `weight_decay_mask`).
+  clip_global_norm:   clip gradients to this global L2 norm before anything
+                      else; None or 0 disables (default None).
+
+The update applied to a parameter `w` at step `s` (optax counts the first
+update as step 0) is
+
+  u = -lr(s) * (direction(g) + weight_decay * mask(w) * w)
+
+where `direction` is Adam's bias-corrected `m / (sqrt(v) + eps)` or SGD's
+(momentum-accumulated) gradient, computed on the clipped gradient `g`. The
+decay is *decoupled* (Loshchilov & Hutter; optax.adamw, PyTorch AdamW): it
+never enters the Adam moments and is scaled by the scheduled learning rate.
+For SGD without momentum it equals an L2 penalty of weight_decay / 2 * |w|^2.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from vmoe_ext.errors import require
+
+NAMES = ("adam", "adamw", "sgd")
+DECAYS = ("cosine", "linear", "constant")
+MASKS = ("all", "no_bias_norm")
+FIELDS = ("name", "learning_rate", "warmup_steps", "decay", "total_steps",
+          "end_learning_rate", "b1", "b2", "eps", "momentum", "nesterov",
+          "weight_decay", "weight_decay_mask", "clip_global_norm")
+# Leaf names that never decay under "no_bias_norm", whatever their rank:
+# biases (flax "bias", the MoE experts' stacked "bi"/"bo" [E, H]/[E, D]),
+# LayerNorm and SoftMoE "scale", and the ViT position embedding and class
+# token.
+NO_DECAY_NAMES = frozenset({"bias", "bi", "bo", "scale", "pos_embedding",
+                            "cls"})
+
+_PREFIX = "optimizer"
+
+
+def _field(name: str) -> str:
+  return f"{_PREFIX}.{name}"
+
+
+def _to_dict(config: Any) -> dict[str, Any]:
+  if hasattr(config, "to_dict"):
+    config = config.to_dict()
+  require(isinstance(config, Mapping), _PREFIX,
+          f"must be a mapping (ConfigDict or dict), got "
+          f"{type(config).__name__}")
+  return dict(config)
+
+
+def _is_real(x: Any) -> bool:
+  return (isinstance(x, numbers.Real) and not isinstance(x, bool)
+          and math.isfinite(float(x)))
+
+
+def _is_int(x: Any) -> bool:
+  return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _real(cfg: Mapping[str, Any], name: str, default: Any, lo: float,
+          hi: float | None = None, lo_open: bool = False,
+          hi_open: bool = False) -> float:
+  """Reads a finite float field in [lo, hi] (bounds optionally open)."""
+  value = cfg.get(name, default)
+  lo_ok = _is_real(value) and (value > lo if lo_open else value >= lo)
+  hi_ok = hi is None or (_is_real(value) and
+                         (value < hi if hi_open else value <= hi))
+  lo_s = "(" if lo_open else "["
+  hi_s = "inf)" if hi is None else (f"{hi})" if hi_open else f"{hi}]")
+  require(lo_ok and hi_ok, _field(name),
+          f"must be a finite number in {lo_s}{lo}, {hi_s}, got {value!r}")
+  return float(value)
+
+
+def _validated(config: Any) -> dict[str, Any]:
+  """Reads the optimizer config, fills defaults, checks every field."""
+  cfg = _to_dict(config)
+  for key in cfg:
+    require(key in FIELDS, _field(str(key)),
+            f"unknown field; expected one of {FIELDS}")
+  out: dict[str, Any] = {}
+  name = cfg.get("name")
+  require(name in NAMES, _field("name"),
+          f"unknown optimizer {name!r}; expected one of {NAMES}")
+  out["name"] = name
+  require("learning_rate" in cfg, _field("learning_rate"), "is required")
+  out["learning_rate"] = _real(cfg, "learning_rate", None, 0.0)
+
+  decay = cfg.get("decay", "cosine")
+  require(decay in DECAYS, _field("decay"),
+          f"unknown decay {decay!r}; expected one of {DECAYS}")
+  out["decay"] = decay
+  warmup = cfg.get("warmup_steps", 0)
+  require(_is_int(warmup) and warmup >= 0, _field("warmup_steps"),
+          f"must be an integer >= 0, got {warmup!r}")
+  out["warmup_steps"] = int(warmup)
+  total = cfg.get("total_steps")
+  if total is None:
+    require(decay == "constant" and warmup == 0, _field("total_steps"),
+            f"is required with decay={decay!r} and warmup_steps={warmup}")
+  else:
+    require(_is_int(total) and total > 0, _field("total_steps"),
+            f"must be a positive integer, got {total!r}")
+    require(warmup <= total, _field("warmup_steps"),
+            f"warmup_steps={warmup} exceeds total_steps={total}")
+    total = int(total)
+  out["total_steps"] = total
+  out["end_learning_rate"] = _real(cfg, "end_learning_rate", 0.0, 0.0,
+                                   out["learning_rate"])
+
+  adam_only = ("b1", "b2", "eps")
+  sgd_only = ("momentum", "nesterov")
+  if name == "sgd":
+    for key in adam_only:
+      require(key not in cfg, _field(key), f"is an Adam field; optimizer "
+              f"'sgd' does not use it")
+    out["momentum"] = _real(cfg, "momentum", 0.0, 0.0, 1.0, hi_open=True)
+    nesterov = cfg.get("nesterov", False)
+    require(isinstance(nesterov, bool), _field("nesterov"),
+            f"must be a bool, got {nesterov!r}")
+    require(not nesterov or out["momentum"] > 0, _field("nesterov"),
+            "needs momentum > 0")
+    out["nesterov"] = nesterov
+  else:
+    for key in sgd_only:
+      require(key not in cfg, _field(key), f"is an SGD field; optimizer "
+              f"{name!r} does not use it")
+    out["b1"] = _real(cfg, "b1", 0.9, 0.0, 1.0, hi_open=True)
+    out["b2"] = _real(cfg, "b2", 0.999, 0.0, 1.0, hi_open=True)
+    out["eps"] = _real(cfg, "eps", 1e-8, 0.0)
+
+  out["weight_decay"] = _real(cfg, "weight_decay", 0.0, 0.0)
+  require(name != "adam" or out["weight_decay"] == 0.0, _field("weight_decay"),
+          "optimizer 'adam' takes no weight decay; use name='adamw' for "
+          "decoupled weight decay")
+  mask = cfg.get("weight_decay_mask", "no_bias_norm")
+  require(mask in MASKS, _field("weight_decay_mask"),
+          f"unknown mask {mask!r}; expected one of {MASKS}")
+  out["weight_decay_mask"] = mask
+
+  clip = cfg.get("clip_global_norm")
+  require(clip is None or (_is_real(clip) and clip >= 0),
+          _field("clip_global_norm"),
+          f"must be None or a finite number >= 0, got {clip!r}")
+  out["clip_global_norm"] = float(clip) if clip else None
+  return out
+
+
+def _schedule(peak: float, end: float, warmup: int, total: int | None,
+              decay: str) -> optax.Schedule:
+  """Warmup-then-decay schedule; see `make_learning_rate`."""
+
+  def schedule(step):
+    step = jnp.asarray(step, jnp.float32)
+    if decay == "constant":
+      after = jnp.full_like(step, peak)
+    else:
+      frac = jnp.clip((step - warmup) / max(total - warmup, 1), 0.0, 1.0)
+      if decay == "cosine":
+        after = end + (peak - end) * 0.5 * (1.0 + jnp.cos(jnp.pi * frac))
+      else:
+        after = peak + (end - peak) * frac
+    if warmup == 0:
+      return after
+    return jnp.where(step < warmup, peak * step / warmup, after)
+
+  return schedule
+
+
+def make_learning_rate(config: Any) -> optax.Schedule:
+  """Returns the learning-rate schedule `lr(step)` of an optimizer config.
+
+  With peak `p = learning_rate`, end `e = end_learning_rate`, `W =
+  warmup_steps`, `N = total_steps` and `t = clip((s - W) / max(N - W, 1), 0,
+  1)`:
+
+    s < W:     lr = p * s / W                       (linear warmup from 0)
+    s >= W:    cosine:   e + (p - e) * (1 + cos(pi * t)) / 2
+               linear:   p + (e - p) * t
+               constant: p
+
+  so the schedule reaches `e` at step N and stays there. The returned
+  function accepts Python or traced integer steps and returns float32.
+
+  Raises:
+    ConfigError naming the field for any invalid value.
+  """
+  cfg = _validated(config)
+  return _schedule(cfg["learning_rate"], cfg["end_learning_rate"],
+                   cfg["warmup_steps"], cfg["total_steps"], cfg["decay"])
+
+
+def _leaf_name(path: tuple[Any, ...]) -> str:
+  if not path:
+    return ""
+  key = path[-1]
+  for attr in ("key", "name", "idx"):
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
+
+
+def weight_decay_mask(params: Any, mode: str = "no_bias_norm") -> Any:
+  """Boolean pytree (same structure as `params`): True where a leaf decays.
+
+  * "all": every leaf decays.
+  * "no_bias_norm": a leaf decays iff it has rank >= 2 *and* its own name
+    (the last key of its path) is not one of `NO_DECAY_NAMES`: bias, bi, bo,
+    scale, pos_embedding, cls. So dense/conv/attention/expert kernels and
+    router weights decay; biases (including 2-D attention and expert
+    biases), LayerNorm scales, any 0-D/1-D parameter, the position
+    embedding and the class token do not.
+
+  Raises:
+    ConfigError("optimizer.weight_decay_mask") for an unknown mode.
+  """
+  require(mode in MASKS, _field("weight_decay_mask"),
+          f"unknown mask {mode!r}; expected one of {MASKS}")
+
+  def decays(path, leaf) -> bool:
+    if mode == "all":
+      return True
+    return jnp.ndim(leaf) >= 2 and _leaf_name(path) not in NO_DECAY_NAMES
+
+  return jax.tree_util.tree_map_with_path(decays, params)
+
+
+def make_optimizer(config: Any,
+                   params: Any = None) -> optax.GradientTransformation:
+  """Builds the optimizer of an `optimizer` config section.
+
+  The chain is: clip by global norm (if enabled) -> Adam scaling (adam,
+  adamw) or momentum trace (sgd with momentum > 0) -> decoupled weight decay
+  (masked; adamw/sgd with weight_decay > 0) -> scale by -lr(step). See the
+  module docstring for the fields and the exact update.
+
+  Args:
+    config: the `optimizer` section (ConfigDict or Mapping).
+    params: optional parameter pytree. When given, the weight-decay mask is
+      computed from it right away (so a bad tree fails here, not at `init`)
+      and the optimizer must then be used with trees of that structure;
+      otherwise the mask is computed from the tree passed to `init`/`update`.
+
+  Raises:
+    ConfigError naming the field for any invalid value.
+  """
+  cfg = _validated(config)
+  schedule = _schedule(cfg["learning_rate"], cfg["end_learning_rate"],
+                       cfg["warmup_steps"], cfg["total_steps"], cfg["decay"])
+  chain = []
+  if cfg["clip_global_norm"]:
+    chain.append(optax.clip_by_global_norm(cfg["clip_global_norm"]))
+  if cfg["name"] in ("adam", "adamw"):
+    chain.append(optax.scale_by_adam(b1=cfg["b1"], b2=cfg["b2"],
+                                     eps=cfg["eps"]))
+  elif cfg["momentum"] > 0:
+    chain.append(optax.trace(decay=cfg["momentum"],
+                             nesterov=cfg["nesterov"]))
+  if cfg["weight_decay"] > 0:
+    mode = cfg["weight_decay_mask"]
+    mask: Any
+    if params is not None:
+      mask = weight_decay_mask(params, mode)
+    else:
+      mask = _mask_fn(mode)
+    chain.append(optax.add_decayed_weights(cfg["weight_decay"], mask=mask))
+  chain.append(optax.scale_by_learning_rate(schedule))
+  return optax.chain(*chain)
+
+
+def _mask_fn(mode: str) -> Callable[[Any], Any]:
+  return lambda params: weight_decay_mask(params, mode)
+
+
+__all__ = ["DECAYS", "MASKS", "NAMES", "NO_DECAY_NAMES",
+           "make_learning_rate", "make_optimizer", "weight_decay_mask"]

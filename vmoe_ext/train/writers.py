@@ -1,0 +1,263 @@
+"""Metric writers: `metrics.jsonl`, TensorBoard event files, progress bars.
+
+`WORKDIR/metrics.jsonl` is the machine-readable record other tools read
+(DESIGN.md §6.1): one JSON object per line,
+
+  {"step": 100, "split": "train", "loss": 0.69, "layer_1/load": [0.5, 0.5]}
+  {"step": 500, "split": "test", "accuracy": 0.91, "final": true}
+
+Metric values are converted as follows: scalars (Python or numpy/jax 0-d,
+any real or bool dtype) become floats; arrays with at least one dimension
+and at most `MAX_ARRAY_SIZE` elements become (nested) lists of floats;
+strings and None are written as they are; nested mappings are flattened
+with "/" ("layer_1/drop_rate"). Non-finite floats are written as Python's
+json module writes them (NaN, Infinity), which `read_metrics` parses back.
+
+TensorBoard events go to `WORKDIR/tensorboard` (tensorboardX, no
+TensorFlow needed): each numeric scalar under the tag f"{split}/{name}",
+each array entry under f"{split}/{name}/{i}" (f"{split}/{name}/{i}/{j}" for
+2-D arrays, and so on); strings and None are not sent to TensorBoard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any, Iterator, Mapping
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+RESERVED = ("step", "split", "final")
+MAX_ARRAY_SIZE = 4096
+
+
+def flatten_metrics(metrics: Mapping[str, Any],
+                    prefix: str = "") -> dict[str, Any]:
+  """Flattens nested mappings into one dict with "/"-joined keys."""
+  out: dict[str, Any] = {}
+  for key, value in metrics.items():
+    name = f"{prefix}{key}"
+    if isinstance(value, Mapping):
+      out.update(flatten_metrics(value, f"{name}/"))
+    else:
+      out[name] = value
+  return out
+
+
+def _convert(name: str, value: Any) -> Any:
+  """A JSON value for one metric: float, (nested) list of floats, str, None."""
+  if value is None or isinstance(value, str):
+    return value
+  array = np.asarray(value)
+  if array.dtype.kind not in "biuf":
+    raise TypeError(f"metric {name!r}: unsupported value of dtype "
+                    f"{array.dtype} ({type(value).__name__})")
+  if array.ndim == 0:
+    return float(array)
+  if array.size > MAX_ARRAY_SIZE:
+    raise ValueError(f"metric {name!r}: array of shape {array.shape} is too "
+                     f"large for metrics.jsonl (at most {MAX_ARRAY_SIZE} "
+                     "elements)")
+  return array.astype(np.float64).tolist()
+
+
+def _tb_scalars(name: str, value: Any) -> Iterator[tuple[str, float]]:
+  """(tag suffix, value) pairs for TensorBoard; nothing for str/None."""
+  if value is None or isinstance(value, str):
+    return
+  if isinstance(value, float):
+    yield name, value
+    return
+  array = np.asarray(value, np.float64)
+  for index in np.ndindex(array.shape):
+    yield "/".join([name, *map(str, index)]), float(array[index])
+
+
+def _is_main_process() -> bool:
+  return jax.process_index() == 0
+
+
+class MetricWriter:
+  """Appends metrics to `WORKDIR/metrics.jsonl` and TensorBoard events.
+
+  Only process 0 of a multi-process run writes; elsewhere every method is a
+  no-op. Lines are flushed to disk as they are written, so a killed run
+  keeps every line written before it died.
+  """
+
+  def __init__(self, workdir: str, *, tensorboard: bool = True):
+    """Opens (appending) `workdir/metrics.jsonl` and a TensorBoard writer.
+
+    Args:
+      workdir: the run's working directory (created if missing).
+      tensorboard: also write TensorBoard event files to
+        `workdir/tensorboard`.
+    """
+    self.workdir = os.fspath(workdir)
+    self.path = os.path.join(self.workdir, METRICS_FILE)
+    self._enabled = _is_main_process()
+    self._file = None
+    self._tb = None
+    self._closed = False
+    if not self._enabled:
+      return
+    os.makedirs(self.workdir, exist_ok=True)
+    self._file = open(self.path, "a", encoding="utf-8")
+    if tensorboard:
+      # Imported here: tensorboardX takes ~0.3 s to import.
+      from tensorboardX import SummaryWriter
+      self._tb = SummaryWriter(
+          logdir=os.path.join(self.workdir, TENSORBOARD_DIR), flush_secs=30)
+
+  def write(self, step: int, split: str, metrics: Mapping[str, Any], *,
+            final: bool = False) -> None:
+    """Writes one line `{"step", "split", <metrics>..., ["final": true]}`.
+
+    Args:
+      step: the train step the metrics belong to.
+      split: e.g. "train", "test", "pgd_eps0.01".
+      metrics: metric name -> value (see the module docstring for the
+        accepted values); nested mappings are flattened with "/".
+      final: marks the final evaluation (adds `"final": true`).
+
+    Raises:
+      ValueError for a reserved metric name (step, split, final) or an
+      oversized array; TypeError for a non-numeric value.
+    """
+    if self._closed:
+      raise ValueError(f"MetricWriter for {self.workdir} is closed")
+    if not self._enabled:
+      return
+    if not isinstance(split, str) or not split:
+      raise ValueError(f"split must be a non-empty string, got {split!r}")
+    step = int(step)
+    record: dict[str, Any] = {"step": step, "split": split}
+    for name, value in flatten_metrics(metrics).items():
+      if name in RESERVED:
+        raise ValueError(f"metric name {name!r} is reserved ({RESERVED})")
+      record[name] = _convert(name, value)
+    if final:
+      record["final"] = True
+    self._file.write(json.dumps(record) + "\n")
+    self._file.flush()
+    if self._tb is not None:
+      for name, value in record.items():
+        if name in RESERVED:
+          continue
+        for tag, scalar in _tb_scalars(name, value):
+          self._tb.add_scalar(f"{split}/{tag}", scalar, global_step=step)
+
+  def truncate(self, after_step: int) -> None:
+    """Drops the lines of `metrics.jsonl` whose step is > `after_step`.
+
+    For a resumed run: the lines a killed run wrote after its last
+    checkpoint are written again by the resumed one. (TensorBoard shows the
+    newest value per step, so its events are left as they are.)
+    """
+    if self._closed:
+      raise ValueError(f"MetricWriter for {self.workdir} is closed")
+    if not self._enabled:
+      return
+    self._file.flush()
+    kept = [r for r in read_metrics(self.workdir) if r["step"] <= after_step]
+    self._file.close()
+    tmp = self.path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+      for record in kept:
+        f.write(json.dumps(record) + "\n")
+    os.replace(tmp, self.path)
+    self._file = open(self.path, "a", encoding="utf-8")
+
+  def flush(self) -> None:
+    """Flushes metrics.jsonl and the TensorBoard events to disk."""
+    if self._file is not None:
+      self._file.flush()
+    if self._tb is not None:
+      self._tb.flush()
+
+  def close(self) -> None:
+    """Flushes and closes the files; further writes are errors."""
+    if self._file is not None:
+      self._file.close()
+      self._file = None
+    if self._tb is not None:
+      self._tb.close()
+      self._tb = None
+    self._closed = True
+
+  def __enter__(self) -> "MetricWriter":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
+def read_metrics(workdir: str) -> list[dict[str, Any]]:
+  """Parses `workdir/metrics.jsonl` into a list of dicts, in file order.
+
+  A last line without its newline (a run killed mid-write) is skipped when it
+  is not valid JSON; a malformed line anywhere else raises ValueError.
+
+  Raises:
+    FileNotFoundError when the file does not exist.
+  """
+  path = os.path.join(os.fspath(workdir), METRICS_FILE)
+  with open(path, encoding="utf-8") as f:
+    lines = f.read().split("\n")
+  records = []
+  for number, line in enumerate(lines, start=1):
+    if not line.strip():
+      continue
+    try:
+      records.append(json.loads(line))
+    except json.JSONDecodeError as e:
+      if number == len(lines):  # Unterminated last line: a partial write.
+        break
+      raise ValueError(f"{path}:{number}: malformed line: {e}") from e
+  return records
+
+
+def _in_ci() -> bool:
+  return os.environ.get("CI", "").strip().lower() not in ("", "0", "false",
+                                                          "no")
+
+
+def _interactive() -> bool:
+  """True on a terminal (stderr is a tty) or in a Jupyter/Colab kernel."""
+  if "ipykernel" in sys.modules:
+    return True
+  try:
+    return sys.stderr.isatty()
+  except (AttributeError, ValueError):
+    return False
+
+
+def progress_bar(total: int, desc: str, **kw):
+  """A tqdm progress bar on stderr, quiet off a terminal.
+
+  The bar is disabled when stderr is not a terminal (a Jupyter/Colab kernel
+  counts as one) or the `CI` environment variable is set (to anything but
+  "", "0", "false", "no"), unless the caller passes `disable=` explicitly.
+  A disabled bar accepts `update`, `set_postfix`, iteration and `close` as
+  no-ops.
+
+  Args:
+    total: expected number of iterations.
+    desc: label shown before the bar.
+    **kw: further `tqdm.tqdm` arguments.
+  """
+  if kw.get("disable") is None:
+    kw["disable"] = _in_ci() or not _interactive()
+  kw.setdefault("file", sys.stderr)
+  kw.setdefault("dynamic_ncols", True)
+  return tqdm(total=total, desc=desc, **kw)
+
+
+__all__ = ["MAX_ARRAY_SIZE", "METRICS_FILE", "MetricWriter",
+           "TENSORBOARD_DIR", "flatten_metrics", "progress_bar",
+           "read_metrics"]
