@@ -30,8 +30,16 @@ setup(
         "scipy>=1.11",
         "absl-py>=2.1",
         "mlxtend>=0.23",
+        "scikit-learn>=1.3",
+        "tensorboardX>=2.6",
+        "tqdm>=4.60",
+        "matplotlib>=3.7",
     ],
     extras_require={
-        "dev": ["pytest>=8", "hypothesis>=6.100"],
+        # Reading TFDS datasets prepared as array_record (no TensorFlow needed;
+        # tfrecord-prepared datasets also need `pip install tensorflow-cpu`).
+        "tfds": ["tensorflow-datasets>=4.9.10", "pillow>=10"],
+        "dev": ["pytest>=8", "hypothesis>=6.100",
+                "tensorflow-datasets>=4.9.10", "pillow>=10"],
     },
 )

@@ -1,0 +1,26 @@
+"""A tiny V-MoE on scikit-learn digits (8x8): seconds on a CPU; for tests/smoke."""
+
+from vmoe_ext.train.config_files import load_config
+
+
+def get_config(arg=None):
+  del arg
+  config = load_config("default")
+  config.data.name = "digits"
+  config.data.batch_size = 32
+  config.data.eval_batch_size = 50
+  config.data.augment = False
+  config.model.patch_size = (4, 4)           # 4 patches + class token
+  config.model.hidden_size = 16
+  config.model.num_layers = 2
+  config.model.num_heads = 2
+  config.model.mlp_dim = 16
+  config.model.moe = dict(every=2, num_experts=2, capacity_factor=1.5,
+                          group_size=5 * 2,
+                          router=dict(name="noisy_topk", num_selected=1))
+  config.train.total_steps = 20
+  config.train.log_every = 5
+  config.train.eval_every = 10
+  config.train.checkpoint_every = 10
+  config.optimizer.warmup_steps = 5
+  return config

@@ -1,0 +1,231 @@
+"""The training job: resume equivalence, NaN guard, checkpoint fallback, config
+errors, and the binary end to end on digits."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import chex
+import jax
+import numpy as np
+import pytest
+
+from vmoe_ext.errors import ConfigError
+from vmoe_ext.train import loop
+from vmoe_ext.train.config_files import CONFIG_DIR, load_config
+from vmoe_ext.train.writers import read_metrics
+
+ROOT = os.path.dirname(CONFIG_DIR)
+STEPS = 12
+
+
+def tiny_config(**train):
+  config = load_config("tiny")
+  config.train.total_steps = STEPS
+  config.train.log_every = 2
+  config.train.eval_every = 0
+  config.train.checkpoint_every = 4
+  config.train.keep_checkpoints = 3
+  for key, value in train.items():
+    config.train[key] = value
+  return config
+
+
+def restored_state(config, workdir):
+  run = loop.setup(config, workdir)
+  step = run.restore()
+  run.checkpoints.close()
+  return step, run.state
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+  """An uninterrupted run of STEPS steps."""
+  workdir = str(tmp_path_factory.mktemp("straight"))
+  final = loop.train_and_evaluate(tiny_config(), workdir)
+  return workdir, final
+
+
+def _train_lines(workdir):
+  return {r["step"]: r for r in read_metrics(workdir) if r["split"] == "train"}
+
+
+def test_resume_after_preemption_equals_straight_run(straight, tmp_path):
+  workdir, final = straight
+  resumed_dir = str(tmp_path / "resumed")
+  # Killed at step 7: the last checkpoint is step 4; steps 5-7 are redone.
+  assert loop.train_and_evaluate(tiny_config(), resumed_dir,
+                                 stop_at_step=7) is None
+  resumed_final = loop.train_and_evaluate(tiny_config(), resumed_dir)
+  assert resumed_final == final
+  for step, line in _train_lines(workdir).items():
+    assert _train_lines(resumed_dir)[step] == line, step
+  step_a, state_a = restored_state(tiny_config(), workdir)
+  step_b, state_b = restored_state(tiny_config(), resumed_dir)
+  assert step_a == step_b == STEPS
+  chex.assert_trees_all_equal(state_a.params, state_b.params)
+  chex.assert_trees_all_equal(state_a.opt_state, state_b.opt_state)
+
+
+def test_outputs_and_final_line(straight):
+  workdir, final = straight
+  records = read_metrics(workdir)
+  last = records[-1]
+  assert last["final"] is True and last["split"] == "test"
+  assert last["step"] == STEPS
+  assert last["accuracy"] == pytest.approx(final["accuracy"])
+  # Evaluation covers every test example exactly once (355 digits).
+  assert last["num_examples"] == 355
+  assert round(last["accuracy"] * 355, 6) == round(last["accuracy"] * 355)
+  for name in ("report.md", "training_curves.png", "expert_load.png"):
+    assert os.path.getsize(os.path.join(workdir, name)) > 0
+  assert os.listdir(os.path.join(workdir, "tensorboard"))
+  assert f"| accuracy | {final['accuracy']:.4f} |" in open(
+      os.path.join(workdir, "report.md")).read()
+
+
+def test_final_accuracy_matches_an_independent_evaluation(straight):
+  workdir, final = straight
+  config = tiny_config()
+  _, state = restored_state(config, workdir)
+  run = loop.setup(config, workdir + "_eval")
+  correct = total = 0
+  for batch in run.eval_batches():
+    logits, _ = run.model.apply({"params": state.params}, batch["image"])
+    pred = np.argmax(np.asarray(logits), -1)
+    keep = np.asarray(batch["mask"])
+    correct += int(np.sum((pred == batch["label"])[keep]))
+    total += int(keep.sum())
+  run.checkpoints.close()
+  assert total == 355
+  assert final["accuracy"] == pytest.approx(correct / total, abs=1e-9)
+
+
+def test_corrupt_newest_checkpoint_falls_back_with_a_warning(straight,
+                                                             tmp_path):
+  workdir, final = straight
+  copy = str(tmp_path / "copy")
+  shutil.copytree(workdir, copy)
+  os.remove(os.path.join(copy, "metrics.jsonl"))
+  newest = os.path.join(copy, "checkpoints", str(STEPS))
+  for root, _, files in os.walk(newest):
+    for name in files:
+      with open(os.path.join(root, name), "wb") as f:
+        f.write(b"corrupt")
+  with pytest.warns(UserWarning, match=str(STEPS)):
+    resumed_final = loop.train_and_evaluate(tiny_config(), copy)
+  # Restored step 8 and re-trained 9..12 to the same result.
+  assert resumed_final == final
+
+
+def test_incompatible_checkpoint_in_workdir_is_an_error(straight, tmp_path):
+  workdir, _ = straight
+  copy = str(tmp_path / "copy")
+  shutil.copytree(workdir, copy)
+  config = tiny_config()
+  config.model.hidden_size = 24
+  with pytest.raises(ConfigError, match="workdir"):
+    loop.train_and_evaluate(config, copy)
+
+
+def test_nan_guard_stops_naming_the_step_and_keeps_last_good_checkpoint(
+    tmp_path, monkeypatch):
+  real_next = loop.TrainIterator.__next__
+
+  def poisoned(self):
+    batch = real_next(self)
+    if self.get_state() == {"epoch": 0, "index": 6 * 32}:  # 6th batch
+      batch = dict(batch, image=np.full_like(batch["image"], np.nan))
+    return batch
+
+  monkeypatch.setattr(loop.TrainIterator, "__next__", poisoned)
+  workdir = str(tmp_path / "nan")
+  with pytest.raises(loop.NonFiniteError, match="at step 6"):
+    loop.train_and_evaluate(tiny_config(), workdir)
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints")),
+                key=lambda s: (len(s), s))[-1] == "4"
+  step, state = restored_state(tiny_config(), workdir)
+  assert step == 4
+  assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(state.params))
+
+
+@pytest.mark.parametrize("override,field", [
+    (("data", "batch_size", 0), "data.batch_size"),
+    (("data", "name", "imagenet_toy"), "data.name"),
+    (("data", "eval_batch_size", 3), "data.eval_batch_size"),
+    (("train", "label_smoothing", -0.1), "train.label_smoothing"),
+    (("train", "total_steps", 0), "train.total_steps"),
+    (("optimizer", "warmup_steps", 10**6), "optimizer.warmup_steps"),
+    (("optimizer", "name", "lamb"), "optimizer.name"),
+    (("model", "patch_size", (3, 3)), "model.patch_size"),
+])
+def test_config_errors_name_the_field(override, field, tmp_path):
+  config = tiny_config()
+  section, key, value = override
+  config[section][key] = value
+  with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+    loop.setup(config, str(tmp_path))
+
+
+def test_config_error_for_k_greater_than_e(tmp_path):
+  config = tiny_config()
+  config.model.moe.router.num_selected = 3
+  with pytest.raises(ConfigError, match=r"router\.num_selected"):
+    loop.setup(config, str(tmp_path))
+
+
+def test_binary_end_to_end_on_digits(tmp_path):
+  workdir = str(tmp_path / "bin")
+  proc = subprocess.run(
+      [sys.executable, "-m", "vmoe_ext.main", "--config=configs/tiny.py",
+       f"--workdir={workdir}", "--config.train.total_steps=6",
+       "--config.train.checkpoint_every=3"],
+      cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "# Run report" in proc.stdout
+  lines = [json.loads(l) for l in open(os.path.join(workdir,
+                                                     "metrics.jsonl"))]
+  assert lines[-1]["final"] is True and lines[-1]["step"] == 6
+  assert 0.0 <= lines[-1]["accuracy"] <= 1.0
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["3", "6"]
+
+
+def test_binary_reports_config_errors_cleanly(tmp_path):
+  proc = subprocess.run(
+      [sys.executable, "-m", "vmoe_ext.main", "--config=configs/tiny.py",
+       f"--workdir={tmp_path}", "--config.model.moe.num_experts=0"],
+      cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 2
+  assert "config error: moe.num_experts" in proc.stderr
+
+
+@pytest.mark.parametrize("name", ["default", "vit_dense", "soft_moe",
+                                  "expert_choice", "tiny", "cifar10_tfds"])
+def test_every_config_file_validates(name):
+  from vmoe_ext.train.validate import validate_config
+  config = load_config(name)
+  validate_config(config)
+  assert config.optimizer.total_steps == config.train.total_steps
+
+
+def test_cifar10_tfds_config_trains_on_mock_data(tmp_path):
+  import tensorflow_datasets as tfds
+  config = load_config("cifar10_tfds")
+  config.data.data_dir = str(tmp_path / "tfds")
+  os.makedirs(config.data.data_dir)
+  config.data.batch_size = config.data.eval_batch_size = 4
+  config.model.update(dict(hidden_size=8, num_layers=2, num_heads=2,
+                           mlp_dim=8, dropout_rate=0.0))
+  config.model.moe = dict(every=2, num_experts=2, group_size=65 * 2,
+                          router=dict(name="noisy_topk", num_selected=1))
+  config.train.update(dict(total_steps=2, log_every=1, eval_every=0,
+                           checkpoint_every=2))
+  config.optimizer.warmup_steps = 1
+  with tfds.testing.mock_data(num_examples=6):
+    final = loop.train_and_evaluate(config, str(tmp_path / "run"))
+  assert final["num_examples"] == 6 and final["step"] == 2
+  assert read_metrics(str(tmp_path / "run"))[-1]["final"] is True

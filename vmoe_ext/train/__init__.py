@@ -1,0 +1,1 @@
+"""Training: state, optimizer, steps, checkpoints, metric writers, the loop."""

@@ -1,0 +1,110 @@
+"""The run report: `WORKDIR/report.md` and PNG plots from `metrics.jsonl`."""
+
+from __future__ import annotations
+
+import json
+import numbers
+import os
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+
+def _scalar_rows(metrics: Mapping[str, Any]) -> list[tuple[str, str]]:
+  rows = []
+  for key in sorted(metrics):
+    value = metrics[key]
+    if key in ("step", "split", "final"):
+      continue
+    if isinstance(value, (list, tuple)):
+      rows.append((key, "[" + ", ".join(f"{v:.3f}" for v in value) + "]"))
+    elif isinstance(value, numbers.Integral):
+      rows.append((key, str(int(value))))
+    elif isinstance(value, numbers.Real):
+      rows.append((key, f"{float(value):.4f}"))
+    else:
+      rows.append((key, str(value)))
+  return rows
+
+
+def plot_curves(records: Sequence[Mapping[str, Any]], path: str) -> None:
+  """Training loss and test accuracy against step."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  train = [r for r in records if r.get("split") == "train" and "loss" in r]
+  test = [r for r in records if r.get("split") == "test" and "accuracy" in r]
+  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
+  if train:
+    ax1.plot([r["step"] for r in train], [r["loss"] for r in train],
+             label="train loss")
+    ax1.plot([r["step"] for r in train],
+             [r["cross_entropy"] for r in train], label="train cross-entropy")
+  ax1.set(xlabel="step", ylabel="loss", title="Training loss")
+  ax1.legend()
+  if train:
+    ax2.plot([r["step"] for r in train], [r["accuracy"] for r in train],
+             label="train (batch)")
+  if test:
+    ax2.plot([r["step"] for r in test], [r["accuracy"] for r in test], "o-",
+             label="test")
+  ax2.set(xlabel="step", ylabel="accuracy", title="Accuracy", ylim=(0, 1))
+  ax2.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def plot_expert_load(metrics: Mapping[str, Any], path: str) -> bool:
+  """Bar chart of each MoE layer's per-expert load; False if no MoE layer."""
+  loads = {k.split("/")[0]: np.asarray(v) for k, v in metrics.items()
+           if k.endswith("/expert_load")}
+  if not loads:
+    return False
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  layers = sorted(loads, key=lambda s: int(s.split("_")[1]))
+  fig, axes = plt.subplots(1, len(layers), figsize=(4 * len(layers), 3),
+                           squeeze=False)
+  for ax, layer in zip(axes[0], layers):
+    load = loads[layer]
+    ax.bar(np.arange(len(load)), 100 * load)
+    ax.axhline(100 / len(load), color="k", ls="--", lw=1, label="balanced")
+    ax.set(title=f"{layer} expert load", xlabel="expert",
+           ylabel="% of selections")
+    ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+  return True
+
+
+def write_report(workdir: str, *, final_metrics: Mapping[str, Any],
+                 records: Sequence[Mapping[str, Any]],
+                 config_summary: Mapping[str, Any], wall_seconds: float,
+                 extra_sections: Sequence[str] = ()) -> str:
+  """Writes `report.md` and the PNG plots; returns the report text."""
+  plot_curves(records, os.path.join(workdir, "training_curves.png"))
+  has_load = plot_expert_load(final_metrics,
+                              os.path.join(workdir, "expert_load.png"))
+  lines = ["# Run report", "",
+           f"Workdir: `{os.path.abspath(workdir)}`  ",
+           f"Wall time: {wall_seconds:.1f} s", "",
+           "## Final evaluation (test split)", "",
+           "| metric | value |", "|---|---|"]
+  lines += [f"| {k} | {v} |" for k, v in _scalar_rows(final_metrics)]
+  lines += ["", "## Config", "", "```json",
+            json.dumps(config_summary, indent=1, sort_keys=True, default=str),
+            "```", "", "## Plots", "",
+            "![training curves](training_curves.png)"]
+  if has_load:
+    lines.append("![expert load](expert_load.png)")
+  for section in extra_sections:
+    lines += ["", section]
+  text = "\n".join(lines) + "\n"
+  with open(os.path.join(workdir, "report.md"), "w") as f:
+    f.write(text)
+  return text

@@ -1,0 +1,149 @@
+"""Jitted train and eval steps for classification with MoE auxiliary losses."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from vmoe_ext.train.state import TrainState
+
+Array = jax.Array
+Batch = dict[str, Array]
+
+# Per-layer routing metrics aggregated over evaluation (scalars and [E] vectors).
+ROUTING_METRICS = ("drop_rate", "expert_load", "importance_loss", "load_loss",
+                   "auxiliary_loss")
+
+
+def cross_entropy(logits: Array, labels: Array,
+                  label_smoothing: float = 0.0) -> Array:
+  """Per-example cross-entropy `[B]` with optional label smoothing."""
+  num_classes = logits.shape[-1]
+  targets = jax.nn.one_hot(labels, num_classes)
+  if label_smoothing:
+    targets = optax.smooth_labels(targets, label_smoothing)
+  return optax.softmax_cross_entropy(logits, targets)
+
+
+def routing_summary(metrics: dict[str, Any],
+                    exclude: tuple[str, ...] = ()) -> dict[str, Any]:
+  """`{"layer_i/name": value}` for the per-layer routing metrics we log."""
+  out = {}
+  for layer, values in metrics.items():
+    if layer.startswith("layer_"):
+      for name in ROUTING_METRICS:
+        if name in values and name not in exclude:
+          out[f"{layer}/{name}"] = values[name]
+  return out
+
+
+def make_train_step(model: nn.Module, *, label_smoothing: float = 0.0,
+                    learning_rate_fn: Callable[[Array], Array] | None = None
+                    ) -> Callable[[TrainState, Batch], tuple[TrainState,
+                                                             dict]]:
+  """Returns `train_step(state, batch) -> (state, metrics)` (not jitted).
+
+  The loss is mean cross-entropy plus the model's summed auxiliary loss.
+  Non-parameter collections (e.g. router state) are updated with the model's
+  mutations. `metrics["finite"]` is False if the loss or any gradient is not
+  finite; the caller must then discard the returned state (NaN guard).
+  """
+
+  def train_step(state: TrainState, batch: Batch):
+    key = state.step_key()
+    gating, dropout = jax.random.split(key)
+    mutable = list(state.collections)
+
+    def loss_fn(params):
+      variables = {"params": params, **state.collections}
+      out = model.apply(variables, batch["image"], deterministic=False,
+                        rngs={"gating": gating, "dropout": dropout},
+                        mutable=mutable or False)
+      (logits, metrics), new_collections = out if mutable else (out, {})
+      ce = jnp.mean(cross_entropy(logits, batch["label"], label_smoothing))
+      loss = ce + metrics["auxiliary_loss"]
+      return loss, (ce, logits, metrics, new_collections)
+
+    (loss, (ce, logits, metrics, collections)), grads = jax.value_and_grad(
+        loss_fn, has_aux=True)(state.params)
+    updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    grad_norm = optax.global_norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    new_state = state.replace(step=state.step + 1, params=params,
+                              opt_state=opt_state,
+                              collections=dict(collections))
+    out = {
+        "loss": loss,
+        "cross_entropy": ce,
+        "auxiliary_loss": metrics["auxiliary_loss"],
+        "accuracy": jnp.mean(jnp.argmax(logits, -1) == batch["label"]),
+        "grad_norm": grad_norm,
+        "finite": finite,
+        **routing_summary(metrics),
+    }
+    if learning_rate_fn is not None:
+      out["learning_rate"] = learning_rate_fn(state.step)
+    return new_state, out
+
+  return train_step
+
+
+def make_eval_step(model: nn.Module) -> Callable[[TrainState, Batch], dict]:
+  """Returns `eval_step(state, batch) -> sums` (not jitted).
+
+  `batch["mask"]` marks real examples (padding is False). The returned sums
+  (`count`, `correct_top1`, `correct_top5`, `loss`) are over real examples;
+  routing metrics are per batch (weighted by `count` when aggregated).
+  """
+
+  def eval_step(state: TrainState, batch: Batch) -> dict:
+    logits, metrics = model.apply(state.variables(), batch["image"],
+                                  deterministic=True)
+    mask = batch["mask"].astype(jnp.float32)
+    labels = batch["label"]
+    k = min(5, logits.shape[-1])
+    topk = jax.lax.top_k(logits, k)[1]
+    in_top5 = jnp.any(topk == labels[:, None], axis=-1)
+    return {
+        "count": jnp.sum(mask),
+        "correct_top1": jnp.sum(mask * (jnp.argmax(logits, -1) == labels)),
+        "correct_top5": jnp.sum(mask * in_top5),
+        "loss": jnp.sum(mask * cross_entropy(logits, labels)),
+        # The load loss is only defined with router noise (training).
+        "routing": routing_summary(metrics, exclude=("load_loss",)),
+    }
+
+  return eval_step
+
+
+def evaluate(eval_step: Callable, state: TrainState, batches) -> dict:
+  """Runs `eval_step` over all batches; returns accuracy, top-5, loss, routing.
+
+  Per-layer routing metrics are averaged over batches weighted by their number
+  of real examples.
+  """
+  totals = {"count": 0.0, "correct_top1": 0.0, "correct_top5": 0.0,
+            "loss": 0.0}
+  routing: dict[str, Any] = {}
+  for batch in batches:
+    out = jax.device_get(eval_step(state, batch))
+    n = float(out["count"])
+    for key in totals:
+      totals[key] += float(out[key])
+    for key, value in out["routing"].items():
+      routing[key] = routing.get(key, 0.0) + n * jnp.asarray(value)
+  count = max(totals["count"], 1.0)
+  result = {
+      "accuracy": totals["correct_top1"] / count,
+      "top5_accuracy": totals["correct_top5"] / count,
+      "loss": totals["loss"] / count,
+      "num_examples": int(totals["count"]),
+  }
+  for key, value in routing.items():
+    result[key] = jax.device_get(value / count)
+  return result
