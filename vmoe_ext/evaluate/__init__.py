@@ -1,0 +1,40 @@
+"""Evaluation: accuracy, routing change, load balance, router instability,
+corruption error / mCE, OOD AUPR, 200-class subsets (DESIGN §4.10).
+
+Host-side numpy metrics; the local corruption suite itself lives in
+`vmoe_ext.data.corruptions`.
+"""
+
+from vmoe_ext.evaluate.corruption_metrics import (
+    ALEXNET_ERRORS, corruption_errors, mce, normalized_corruption_errors)
+from vmoe_ext.evaluate.imagenet_subsets import (IMAGENET_A_CLASSES,
+                                                IMAGENET_R_CLASSES)
+from vmoe_ext.evaluate.metrics import (average_precision, expert_set_iou,
+                                       expert_sets_to_mask, layer_mean_std,
+                                       load_balance, mask_logits, max_softmax,
+                                       ood_aupr, prediction_change_rate,
+                                       router_instability,
+                                       routing_change_rate, subset_labels,
+                                       topk_accuracy)
+
+__all__ = [
+    "ALEXNET_ERRORS",
+    "IMAGENET_A_CLASSES",
+    "IMAGENET_R_CLASSES",
+    "average_precision",
+    "corruption_errors",
+    "expert_set_iou",
+    "expert_sets_to_mask",
+    "layer_mean_std",
+    "load_balance",
+    "mask_logits",
+    "max_softmax",
+    "mce",
+    "normalized_corruption_errors",
+    "ood_aupr",
+    "prediction_change_rate",
+    "router_instability",
+    "routing_change_rate",
+    "subset_labels",
+    "topk_accuracy",
+]
