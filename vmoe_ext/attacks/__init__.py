@@ -1,0 +1,20 @@
+"""Adversarial attacks: FGSM, PGD (Linf, L2), SPSA — pure jitted functions.
+
+Every attack takes a deterministic `logits_fn(x [B, ...]) -> [B, C]`, clean
+images `x` in `[clip_min, clip_max]` and labels `[B]`, and returns `x_adv`
+of the same shape, within the eps-ball and the valid range (except PGD's
+`vmoe_compatible` mode, which does not clip to the range). The model is only
+ever called on `[B, ...]` batches, as the clean evaluation is: capacity-based
+MoE routing couples the images of a routing group, so clean and attacked
+accuracy must be measured with the same batching. See `base` for the
+conventions and each module for its update rule.
+"""
+
+from vmoe_ext.attacks.base import cross_entropy, margin_loss
+from vmoe_ext.attacks.fast_gradient import fgsm
+from vmoe_ext.attacks.gradient_free import spsa, spsa_gradient
+from vmoe_ext.attacks.projected_gradient import pgd
+from vmoe_ext.attacks.registry import ATTACKS, get_attack, make_attack
+
+__all__ = ["ATTACKS", "cross_entropy", "fgsm", "get_attack", "make_attack",
+           "margin_loss", "pgd", "spsa", "spsa_gradient"]

@@ -1,0 +1,51 @@
+"""Fast gradient sign method (Goodfellow et al. 2015; DESIGN §4.9).
+
+    x_adv = clip_range(x + eps * sign(grad_x J(x)))
+
+with `J` the mean cross-entropy (targeted: minus the mean CE to the targets),
+i.e. one Linf PGD step of size eps from the clean image (foolbox 3's `FGSM`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from vmoe_ext.attacks import base
+from vmoe_ext.attacks.projected_gradient import ascent_step
+
+Array = jax.Array
+
+
+def fgsm(logits_fn: base.LogitsFn, x: Array, labels: Array, *, eps: float,
+         clip_min: float = 0.0, clip_max: float = 1.0,
+         targeted: bool = False) -> Array:
+  """FGSM; returns `x_adv [B, ...]` (same shape and dtype as `x`).
+
+  Args:
+    logits_fn: `x [B, ...] -> logits [B, C]`, deterministic (see `base`).
+    x: `[B, ...]` clean images in `[clip_min, clip_max]`.
+    labels: `[B]` int true labels (targeted: target labels).
+    eps: Linf size of the step, >= 0, in the units of `x`.
+    clip_min, clip_max: the valid range of the images.
+    targeted: step down the CE to `labels` instead of up.
+
+  Raises:
+    ConfigError: invalid argument; the message names the field ("attack.eps").
+  """
+  _validate(eps=eps, clip_min=clip_min, clip_max=clip_max)
+  base.check_inputs(x, labels)
+  return base.run_jitted(_fgsm, logits_fn, dict(targeted=bool(targeted)), x,
+                         labels, eps, clip_min, clip_max)
+
+
+def _validate(*, eps: Any, clip_min: Any, clip_max: Any) -> None:
+  base.check_eps(eps)
+  base.check_range(clip_min, clip_max)
+
+
+def _fgsm(logits_fn, x, labels, eps, clip_min, clip_max, *, targeted):
+  return ascent_step(logits_fn, x, x, labels, step_size=eps, eps=eps,
+                     norm="linf", targeted=targeted,
+                     clip_range=(clip_min, clip_max))
