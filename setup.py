@@ -34,12 +34,15 @@ setup(
         "tensorboardX>=2.6",
         "tqdm>=4.60",
         "matplotlib>=3.7",
+        "pillow>=10",
     ],
     extras_require={
         # Reading TFDS datasets prepared as array_record (no TensorFlow needed;
         # tfrecord-prepared datasets also need `pip install tensorflow-cpu`).
         "tfds": ["tensorflow-datasets>=4.9.10", "pillow>=10"],
         "dev": ["pytest>=8", "hypothesis>=6.100",
-                "tensorflow-datasets>=4.9.10", "pillow>=10"],
+                "tensorflow-datasets>=4.9.10", "pillow>=10",
+                # FGSM/PGD oracle of tests/test_attacks.py.
+                "foolbox>=3.3.4"],
     },
 )

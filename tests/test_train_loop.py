@@ -229,3 +229,14 @@ def test_cifar10_tfds_config_trains_on_mock_data(tmp_path):
     final = loop.train_and_evaluate(config, str(tmp_path / "run"))
   assert final["num_examples"] == 6 and final["step"] == 2
   assert read_metrics(str(tmp_path / "run"))[-1]["final"] is True
+
+
+def test_binary_tfds_config_names_a_missing_data_dir(tmp_path):
+  proc = subprocess.run(
+      [sys.executable, "-m", "vmoe_ext.main",
+       "--config=configs/cifar10_tfds.py", f"--workdir={tmp_path}",
+       f"--config.data.data_dir={tmp_path / 'missing'}"],
+      cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert "config error: data.data_dir" in proc.stderr
+  assert "does not exist" in proc.stderr

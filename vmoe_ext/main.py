@@ -4,7 +4,10 @@
                             [--config.FIELD=VALUE ...]
 
 With no flags it runs the embedded default (`configs/default.py`: a small V-MoE
-on MNIST-5k) into `./runs/default` and prints the report. Outputs in WORKDIR:
+on MNIST-5k, then a short FGSM/PGD/SPSA and corruption evaluation) into
+`./runs/default` and prints the report. A config whose
+`robustness.checkpoint_dir` is set (`configs/robustness.py`) only evaluates
+that training workdir's newest checkpoint. Outputs in WORKDIR:
 `metrics.jsonl`, `report.md`, PNG plots, `checkpoints/`, `tensorboard/`. A
 workdir holding a checkpoint of the same config resumes it.
 """
@@ -32,11 +35,21 @@ flags.DEFINE_string("workdir", os.path.join(".", "runs", "default"),
 def main(argv) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  from vmoe_ext.train.loop import train_and_evaluate  # Heavy imports here.
+  # Heavy imports here, after flag parsing.
+  from vmoe_ext.evaluate.from_checkpoint import evaluate_checkpoint
+  from vmoe_ext.evaluate.robustness import after_training_hook
+  from vmoe_ext.train.loop import train_and_evaluate
 
   logging.set_verbosity(logging.WARNING)
+  config, workdir = FLAGS.config, FLAGS.workdir
+  robustness = config.get("robustness")
   try:
-    train_and_evaluate(FLAGS.config, FLAGS.workdir)
+    if robustness is not None and robustness.get("checkpoint_dir"):
+      evaluate_checkpoint(config, workdir)  # Evaluation only.
+    else:
+      hook = None if robustness is None else after_training_hook(config,
+                                                                 workdir)
+      train_and_evaluate(config, workdir, after_training=hook)
   except ConfigError as e:
     print(f"config error: {e}", file=sys.stderr)
     sys.exit(2)

@@ -124,6 +124,13 @@ def _mean_metrics(history: Sequence[dict]) -> dict[str, Any]:
           for k in host[0] if k != "finite"}
 
 
+def listify(metrics: dict[str, Any]) -> dict[str, Any]:
+  """Arrays to lists (vectors) or Python numbers (scalars), for reports."""
+  return {k: (np.asarray(v).tolist() if np.ndim(v) else
+              (np.asarray(v).item() if hasattr(v, "dtype") else v))
+          for k, v in metrics.items()}
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
                        after_training: Optional[Callable[..., Sequence[str]]]
                        = None,
@@ -200,8 +207,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     sections = after_training(run=run, writer=writer)
   writer.close()
   run.checkpoints.close()
-  final = {k: (np.asarray(v).tolist() if np.ndim(v) else v)
-           for k, v in final.items()}
+  final = listify(final)
   final["step"] = step
   write_report(workdir, final_metrics=final, records=read_metrics(workdir),
                config_summary=config.to_dict(),

@@ -85,12 +85,13 @@ def plot_expert_load(metrics: Mapping[str, Any], path: str) -> bool:
 def write_report(workdir: str, *, final_metrics: Mapping[str, Any],
                  records: Sequence[Mapping[str, Any]],
                  config_summary: Mapping[str, Any], wall_seconds: float,
-                 extra_sections: Sequence[str] = ()) -> str:
+                 extra_sections: Sequence[str] = (),
+                 title: str = "Run report") -> str:
   """Writes `report.md` and the PNG plots; returns the report text."""
   plot_curves(records, os.path.join(workdir, "training_curves.png"))
   has_load = plot_expert_load(final_metrics,
                               os.path.join(workdir, "expert_load.png"))
-  lines = ["# Run report", "",
+  lines = [f"# {title}", "",
            f"Workdir: `{os.path.abspath(workdir)}`  ",
            f"Wall time: {wall_seconds:.1f} s", "",
            "## Final evaluation (test split)", "",

@@ -59,6 +59,9 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
           "schedule would not end with the run")
   make_optimizer(config.optimizer)
   build_model(config.model)
+  if config.get("robustness") is not None:
+    from vmoe_ext.evaluate.robustness import robustness_config
+    robustness_config(config.robustness)
 
 
 def num_tokens(model, image_shape: tuple[int, ...]) -> int:

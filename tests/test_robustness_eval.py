@@ -1,0 +1,156 @@
+"""Robustness evaluation: metrics against independent per-token/per-example
+computations, the evaluation-only binary, and its config errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from vmoe_ext.data import ArrayDataset, load_dataset
+from vmoe_ext.errors import ConfigError
+from vmoe_ext.evaluate.robustness import (Evaluator, attack_metrics,
+                                          robustness_config)
+from vmoe_ext.models import build_model
+from vmoe_ext.train.config_files import CONFIG_DIR, load_config
+
+ROOT = os.path.dirname(CONFIG_DIR)
+
+
+@pytest.fixture(scope="module")
+def setup():
+  config = load_config("tiny")
+  test = load_dataset(config.data)["test"]
+  data = ArrayDataset(test.images[:20], test.labels[:20], 10, "digits")
+  model = build_model(config.model)
+  variables = model.init(jax.random.key(0), jnp.zeros((10, 8, 8, 1)))
+  params = dict(variables["params"])  # A non-trivial head.
+  params["head"] = {**params["head"], "kernel": jax.random.normal(
+      jax.random.key(1), params["head"]["kernel"].shape)}
+  evaluator = Evaluator(model, {"params": params}, 0.3, 0.4)
+  return evaluator, data
+
+
+def test_attack_metrics_match_an_independent_computation(setup):
+  evaluator, data = setup
+  attack = {"name": "fgsm", "eps": 0.2}
+  got = attack_metrics(evaluator, data, attack, batch_size=10, seed=0)
+  # Independent: FGSM by hand (sign of the input gradient of the mean
+  # cross-entropy), then per token set IoU with Python sets.
+  x = jnp.asarray(data.images)
+  y = jnp.asarray(data.labels)
+  changes, clean, adv, pred_change = [], 0, 0, 0
+  for start in (0, 10):
+    xb, yb = x[start:start + 10], y[start:start + 10]
+
+    def loss(z):
+      logits = evaluator.logits_fn(z)
+      return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits),
+                                           yb[:, None], 1))
+
+    xa = jnp.clip(xb + 0.2 * jnp.sign(jax.grad(loss)(xb)), 0, 1)
+    lc, mc = evaluator.forward(xb)
+    la, ma = evaluator.forward(xa)
+    clean += int(np.sum(np.argmax(lc, -1) == yb))
+    adv += int(np.sum(np.argmax(la, -1) == yb))
+    pred_change += int(np.sum(np.argmax(lc, -1) != np.argmax(la, -1)))
+    (block,) = mc  # one MoE block in the tiny model
+    a, b = np.asarray(mc[block]), np.asarray(ma[block])
+    for n, t in np.ndindex(a.shape[:2]):
+      sa, sb = set(np.flatnonzero(a[n, t])), set(np.flatnonzero(b[n, t]))
+      union = sa | sb
+      changes.append(1 - (len(sa & sb) / len(union) if union else 1.0))
+  assert got["clean_accuracy"] == pytest.approx(clean / 20)
+  assert got["accuracy"] == pytest.approx(adv / 20)
+  assert got["prediction_change_rate"] == pytest.approx(pred_change / 20)
+  assert got["layer_1/routing_change_rate"] == pytest.approx(
+      np.mean(changes), abs=1e-6)
+  assert got["layer_1/routing_change_rate"] > 0
+
+
+def test_zero_eps_changes_nothing(setup):
+  evaluator, data = setup
+  got = attack_metrics(evaluator, data, {"name": "pgd", "eps": 0.0,
+                                         "steps": 3}, batch_size=10, seed=0)
+  assert got["accuracy"] == got["clean_accuracy"]
+  assert got["prediction_change_rate"] == 0.0
+  assert got["layer_1/routing_change_rate"] == 0.0
+
+
+def test_padding_does_not_count(setup):
+  evaluator, data = setup
+  # 20 examples in batches of 8: the last batch has 4 padded rows.
+  a = attack_metrics(evaluator, data, {"name": "fgsm", "eps": 0.1},
+                     batch_size=10, seed=0)
+  subset = ArrayDataset(data.images[:10], data.labels[:10], 10, "digits")
+  b = attack_metrics(evaluator, subset, {"name": "fgsm", "eps": 0.1},
+                     batch_size=10, seed=0)
+  c = attack_metrics(evaluator, ArrayDataset(data.images[10:],
+                                             data.labels[10:], 10, "digits"),
+                     {"name": "fgsm", "eps": 0.1}, batch_size=10, seed=0)
+  assert a["accuracy"] == pytest.approx((b["accuracy"] + c["accuracy"]) / 2)
+
+
+@pytest.mark.parametrize("robustness,field", [
+    ({"attacks": ({"name": "deepfool", "eps": 0.1},)}, "attack.name"),
+    ({"attacks": ({"name": "fgsm", "eps": -0.1},)}, "attack.eps"),
+    ({"attacks": ({"name": "pgd", "eps": 0.1, "steps": -1},)},
+     "attack.steps"),
+    ({"sweep": {"attack": {"name": "pgd", "steps": 2}, "eps": (0.1, -1.0)}},
+     "robustness.sweep.eps"),
+    ({"corruptions": {"names": ("rain",)}}, "robustness.corruptions.names"),
+    ({"corruptions": {"severities": (0,)}},
+     "robustness.corruptions.severities"),
+    ({"num_examples": 0}, "robustness.num_examples"),
+    ({"epsilon": 0.1}, "robustness.epsilon"),
+])
+def test_robustness_config_errors(robustness, field):
+  with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+    robustness_config(robustness)
+
+
+def _run(args):
+  return subprocess.run([sys.executable, "-m", "vmoe_ext.main", *args],
+                        cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def test_evaluation_binary_restores_a_training_workdir(tmp_path):
+  train_dir, eval_dir = str(tmp_path / "train"), str(tmp_path / "eval")
+  proc = _run(["--config=configs/tiny.py", f"--workdir={train_dir}",
+               "--config.train.total_steps=4", "--config.train.eval_every=0",
+               "--config.train.checkpoint_every=4",
+               "--config.optimizer.warmup_steps=1"])
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  train_lines = [json.loads(l) for l in open(
+      os.path.join(train_dir, "metrics.jsonl"))]
+  splits = {l["split"] for l in train_lines}
+  assert {"adversarial/fgsm", "adversarial/pgd", "adversarial/spsa",
+          "sweep/pgd", "corruption"} <= splits
+  for name in ("robustness_pgd.png", "corruptions.png"):
+    assert os.path.getsize(os.path.join(train_dir, name)) > 0
+  proc = _run(["--config=configs/tiny.py", f"--workdir={eval_dir}",
+               f"--config.robustness.checkpoint_dir={train_dir}"])
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "# Robustness evaluation report" in proc.stdout
+  eval_lines = [json.loads(l) for l in open(
+      os.path.join(eval_dir, "metrics.jsonl"))]
+  final = [l for l in eval_lines if l.get("final")]
+  trained_final = [l for l in train_lines if l.get("final")]
+  # Same checkpoint, same data: the same clean and adversarial numbers.
+  assert final[0]["accuracy"] == trained_final[0]["accuracy"]
+  adv = lambda lines: [l for l in lines if l["split"] == "adversarial/pgd"]
+  assert adv(eval_lines)[0]["accuracy"] == adv(train_lines)[0]["accuracy"]
+  assert not os.path.exists(os.path.join(eval_dir, "checkpoints"))
+
+
+def test_evaluation_binary_without_checkpoint_is_a_clear_error(tmp_path):
+  proc = _run(["--config=configs/tiny.py", f"--workdir={tmp_path / 'e'}",
+               f"--config.robustness.checkpoint_dir={tmp_path / 'none'}"])
+  assert proc.returncode == 2
+  assert "config error: robustness.checkpoint_dir" in proc.stderr

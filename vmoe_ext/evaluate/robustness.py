@@ -1,0 +1,345 @@
+"""Robustness evaluation of a trained model: attacks, routing change, eps
+sweeps and corruptions, written to `metrics.jsonl`, PNGs and report sections.
+
+Attacks work on raw images in [0, 1] (eps in those units); the model sees them
+normalised, inside `logits_fn`. Clean and attacked inputs are evaluated in the
+same batches, deterministically (no router noise, no dropout): with
+capacity-limited routing a token's experts depend on the other tokens of its
+routing group, so only identical batching makes "clean vs attacked" a
+per-example comparison.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from vmoe_ext.attacks import make_attack
+from vmoe_ext.data import ArrayDataset, default_normalization, eval_batches
+from vmoe_ext.data.corruptions import CORRUPTIONS, corrupt
+from vmoe_ext.errors import ConfigError, require
+from vmoe_ext.evaluate.corruption_metrics import corruption_errors
+from vmoe_ext.evaluate.metrics import routing_change_rate
+from vmoe_ext.train.writers import MetricWriter, progress_bar
+
+Array = jax.Array
+
+DEFAULTS: dict[str, Any] = {
+    "num_examples": None,   # first N test examples (None: all)
+    "attacks": (),          # ({"name": ..., "eps": ..., **kwargs}, ...)
+    "sweep": None,          # {"attack": {...}, "eps": (...)}
+    "corruptions": None,    # {"names": None (all), "severities": (1..5),
+                            #  "num_examples": None}
+    "seed": 0,
+}
+
+
+def robustness_config(config: Mapping[str, Any]) -> dict[str, Any]:
+  """Fills defaults; unknown fields are errors naming them."""
+  config = dict(config.to_dict() if hasattr(config, "to_dict") else config)
+  extra = {"checkpoint_dir"}  # Used by the evaluation binary.
+  unknown = sorted(set(config) - set(DEFAULTS) - extra)
+  if unknown:
+    raise ConfigError(f"robustness.{unknown[0]}",
+                      f"unknown field; known: {sorted(set(DEFAULTS))}")
+  out = {**DEFAULTS, **config}
+  n = out["num_examples"]
+  require(n is None or (isinstance(n, int) and n > 0),
+          "robustness.num_examples", f"must be a positive integer or None, "
+          f"got {n!r}")
+  for i, attack in enumerate(out["attacks"]):
+    require(isinstance(attack, Mapping) and "name" in attack,
+            f"robustness.attacks[{i}]", "must be a dict with a name")
+    attack = dict(attack)
+    attack.pop("num_examples", None)
+    make_attack(attack)  # Validates name and arguments.
+  if out["sweep"] is not None:
+    sweep = dict(out["sweep"])
+    require(set(sweep) == {"attack", "eps"}, "robustness.sweep",
+            f"needs exactly the fields attack and eps, got {sorted(sweep)}")
+    for e in sweep["eps"]:
+      require(e >= 0, "robustness.sweep.eps", f"eps must be >= 0, got {e}")
+      make_attack({**dict(sweep["attack"]), "eps": float(e)})
+  if out["corruptions"] is not None:
+    corr = dict(out["corruptions"])
+    unknown = sorted(set(corr) - {"names", "severities", "num_examples"})
+    if unknown:
+      raise ConfigError(f"robustness.corruptions.{unknown[0]}",
+                        "unknown field; known: names, severities, "
+                        "num_examples")
+    for name in corr.get("names") or ():
+      require(name in CORRUPTIONS, "robustness.corruptions.names",
+              f"unknown corruption {name!r}; known: {CORRUPTIONS}")
+    for s in corr.get("severities") or ():
+      require(s in (1, 2, 3, 4, 5), "robustness.corruptions.severities",
+              f"severities are 1..5, got {s!r}")
+  return out
+
+
+def _subset(dataset: ArrayDataset, n: Optional[int]) -> ArrayDataset:
+  if n is None or n >= len(dataset):
+    return dataset
+  # The test splits are stored class by class: take an evenly spaced subset
+  # so every class is represented.
+  idx = np.linspace(0, len(dataset) - 1, n).round().astype(int)
+  return ArrayDataset(dataset.images[idx], dataset.labels[idx],
+                      dataset.num_classes, dataset.name)
+
+
+class Evaluator:
+  """Jitted clean/attacked evaluation of one model on raw [0, 1] images."""
+
+  def __init__(self, model: nn.Module, variables: Mapping[str, Any],
+               mean: Any, std: Any):
+    self.model = model
+    self.variables = variables
+    self.mean = jnp.asarray(mean, jnp.float32)
+    self.std = jnp.asarray(std, jnp.float32)
+    self._forward = jax.jit(self._forward_with_routing)
+    self._attacks: dict[str, Callable] = {}
+
+  def logits_fn(self, x: Array) -> Array:
+    """Deterministic logits of raw images `[B, H, W, C]` in [0, 1]."""
+    return self.model.apply(self.variables, (x - self.mean) / self.std,
+                            deterministic=True)[0]
+
+  def _forward_with_routing(self, x: Array):
+    (logits, _), state = self.model.apply(
+        self.variables, (x - self.mean) / self.std, deterministic=True,
+        mutable=["intermediates"])
+    masks = {name: block["Moe"]["expert_mask"][0]
+             for name, block in state.get("intermediates", {}).items()
+             if "Moe" in block}
+    return logits, masks
+
+  def forward(self, x: Array):
+    """`(logits [B, classes], {block name: expert_mask [B, T, E]})`."""
+    return self._forward(x)
+
+  def attack(self, attack_config: Mapping[str, Any]) -> Callable:
+    """Jitted `(x, labels, key) -> x_adv` for an attack config."""
+    key = repr(sorted(attack_config.items()))
+    if key not in self._attacks:
+      attack = make_attack(dict(attack_config))
+      self._attacks[key] = jax.jit(
+          lambda x, y, k: attack(self.logits_fn, x, y, k))
+    return self._attacks[key]
+
+
+def _accumulate(total: dict, key: str, value: float, weight: float) -> None:
+  s, w = total.get(key, (0.0, 0.0))
+  total[key] = (s + value * weight, w + weight)
+
+
+def attack_metrics(evaluator: Evaluator, dataset: ArrayDataset,
+                   attack_config: Mapping[str, Any], batch_size: int,
+                   seed: int, desc: str = "attack") -> dict[str, float]:
+  """Clean vs attacked metrics of one attack over every example of `dataset`.
+
+  Returns `clean_accuracy`, `accuracy` and `top5_accuracy` (attacked),
+  `prediction_change_rate` and, per MoE block, `layer_i/routing_change_rate`
+  (1 - IoU of each token's selected-expert set, averaged over tokens).
+  """
+  attack = evaluator.attack(attack_config)
+  total: dict[str, tuple[float, float]] = {}
+  key = jax.random.key(seed)
+  num_batches = -(-len(dataset) // batch_size)
+  batches = eval_batches(dataset, batch_size)  # raw [0, 1] images
+  with progress_bar(total=num_batches, desc=desc) as bar:
+    for i, batch in enumerate(batches):
+      x, y, mask = batch["image"], batch["label"], batch["mask"]
+      x_adv = attack(jnp.asarray(x), jnp.asarray(y), jax.random.fold_in(key,
+                                                                        i))
+      logits, masks = jax.device_get(evaluator.forward(jnp.asarray(x)))
+      logits_adv, masks_adv = jax.device_get(evaluator.forward(x_adv))
+      n = float(mask.sum())
+      pred, pred_adv = logits.argmax(-1), logits_adv.argmax(-1)
+      top5 = np.argsort(-logits_adv, -1)[:, :5]
+      _accumulate(total, "clean_accuracy", np.mean((pred == y)[mask]), n)
+      _accumulate(total, "accuracy", np.mean((pred_adv == y)[mask]), n)
+      _accumulate(total, "top5_accuracy",
+                  np.mean(np.any(top5 == y[:, None], -1)[mask]), n)
+      _accumulate(total, "prediction_change_rate",
+                  np.mean((pred != pred_adv)[mask]), n)
+      for block, m in masks.items():
+        layer = "layer_" + block.split("_")[-1]
+        _accumulate(total, f"{layer}/routing_change_rate",
+                    routing_change_rate(m[mask], masks_adv[block][mask]), n)
+      bar.update(1)
+  return {k: s / max(w, 1.0) for k, (s, w) in total.items()}
+
+
+def clean_accuracy(evaluator: Evaluator, dataset: ArrayDataset,
+                   batch_size: int) -> float:
+  correct = count = 0.0
+  for batch in eval_batches(dataset, batch_size):
+    logits, _ = evaluator.forward(jnp.asarray(batch["image"]))
+    pred = np.asarray(logits).argmax(-1)
+    correct += float(np.sum((pred == batch["label"])[batch["mask"]]))
+    count += float(batch["mask"].sum())
+  return correct / max(count, 1.0)
+
+
+def _plot_sweep(eps: Sequence[float], acc: Sequence[float],
+                routing: dict[str, list[float]], title: str,
+                path: str) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
+  ax1.plot(eps, acc, "o-")
+  ax1.set(xlabel="eps (pixel units, [0, 1] images)", ylabel="accuracy",
+          title=f"{title}: accuracy", ylim=(0, 1))
+  for layer, values in sorted(routing.items()):
+    ax2.plot(eps, values, "o-", label=layer)
+  ax2.set(xlabel="eps", ylabel="routing change rate (1 - IoU)",
+          title=f"{title}: routing change")
+  if routing:
+    ax2.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def _plot_corruptions(per_corruption: Mapping[str, float], path: str) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  names = list(per_corruption)
+  fig, ax = plt.subplots(figsize=(10, 3.5))
+  ax.bar(np.arange(len(names)), [per_corruption[n] for n in names])
+  ax.set_xticks(np.arange(len(names)), names, rotation=45, ha="right")
+  ax.set(ylabel="accuracy (mean over severities)", ylim=(0, 1),
+         title="Corruption robustness")
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+  fmt = lambda v: f"{v:.4f}" if isinstance(v, float) else str(v)
+  lines = ["| " + " | ".join(header) + " |",
+           "|" + "---|" * len(header)]
+  lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
+  return "\n".join(lines)
+
+
+def evaluate_robustness(model: nn.Module, variables: Mapping[str, Any],
+                        test: ArrayDataset,
+                        data_config: ml_collections.ConfigDict,
+                        robustness: Mapping[str, Any], *, batch_size: int,
+                        writer: MetricWriter, step: int,
+                        workdir: str) -> list[str]:
+  """Runs every configured evaluation; returns markdown report sections."""
+  cfg = robustness_config(robustness)
+  require(data_config.get("image_size") is None, "data.image_size",
+          "robustness evaluation runs on the stored image size; resizing "
+          "before attacking is not supported")
+  mean, std = default_normalization(data_config)
+  evaluator = Evaluator(model, variables, mean, std)
+  data = _subset(test, cfg["num_examples"])
+  sections = []
+
+  if cfg["attacks"]:
+    rows = []
+    for attack in cfg["attacks"]:
+      attack = dict(attack)
+      n = attack.pop("num_examples", None)
+      subset = _subset(data, n)
+      name = attack["name"]
+      m = attack_metrics(evaluator, subset, attack, batch_size, cfg["seed"],
+                         desc=name)
+      eps = attack.get("eps")
+      writer.write(step, f"adversarial/{name}",
+                   {**m, "eps": eps, "num_examples": len(subset)})
+      routing = [v for k, v in sorted(m.items()) if "routing_change" in k]
+      rows.append([name, eps, len(subset), m["clean_accuracy"],
+                   m["accuracy"], m["prediction_change_rate"],
+                   ", ".join(f"{v:.3f}" for v in routing) or "-"])
+    sections.append(
+        "## Adversarial robustness\n\nAttacks on raw [0, 1] images (eps in "
+        "those units), deterministic model, identical batching for clean and "
+        "attacked inputs.\n\n" + _table(
+            ["attack", "eps", "examples", "clean acc", "adv acc",
+             "prediction change", "routing change per MoE layer"], rows))
+
+  if cfg["sweep"]:
+    sweep = dict(cfg["sweep"])
+    attack = dict(sweep["attack"])
+    eps_list = [float(e) for e in sweep["eps"]]
+    acc, routing = [], {}
+    for e in eps_list:  # eps = 0 is the clean input (the eps-ball is a point).
+      m = attack_metrics(evaluator, data, {**attack, "eps": e}, batch_size,
+                         cfg["seed"], desc=f"{attack['name']} eps={e:g}")
+      writer.write(step, f"sweep/{attack['name']}", {**m, "eps": e})
+      acc.append(m["accuracy"])
+      for k, v in m.items():
+        if k.endswith("routing_change_rate"):
+          routing.setdefault(k.split("/")[0], []).append(v)
+    path = os.path.join(workdir, f"robustness_{attack['name']}.png")
+    _plot_sweep(eps_list, acc, routing, attack["name"].upper(), path)
+    rows = [[e, a] + [routing[l][i] for l in sorted(routing)]
+            for i, (e, a) in enumerate(zip(eps_list, acc))]
+    sections.append(
+        f"## Robustness curve ({attack['name']})\n\n" + _table(
+            ["eps", "accuracy"] + [f"{l} routing change"
+                                   for l in sorted(routing)], rows)
+        + f"\n\n![robustness curve]({os.path.basename(path)})")
+
+  if cfg["corruptions"] is not None:
+    corr = dict(cfg["corruptions"])
+    names = tuple(corr.get("names") or CORRUPTIONS)
+    severities = tuple(corr.get("severities") or (1, 2, 3, 4, 5))
+    subset = _subset(data, corr.get("num_examples"))
+    table: dict[str, dict[int, float]] = {}
+    with progress_bar(total=len(names) * len(severities),
+                      desc="corruptions") as bar:
+      for name in names:
+        table[name] = {}
+        for severity in severities:
+          images = corrupt(subset.images, name, severity, seed=cfg["seed"])
+          corrupted = ArrayDataset(images, subset.labels, subset.num_classes,
+                                   subset.name)
+          table[name][severity] = clean_accuracy(evaluator, corrupted,
+                                                 batch_size)
+          bar.update(1)
+    errors = corruption_errors(table)
+    per_corruption = {n: float(np.mean(list(table[n].values())))
+                      for n in names}
+    writer.write(step, "corruption", {
+        **{f"{n}/accuracy": per_corruption[n] for n in names},
+        "mean_corruption_error": errors["mean_corruption_error"],
+        "num_examples": len(subset)})
+    path = os.path.join(workdir, "corruptions.png")
+    _plot_corruptions(per_corruption, path)
+    rows = [[n] + [table[n][s] for s in severities] + [per_corruption[n]]
+            for n in names]
+    sections.append(
+        "## Corruption robustness\n\nLocal corruption suite "
+        "(`vmoe_ext.data.corruptions`), accuracy per severity, on "
+        f"{len(subset)} test images. Mean corruption error (unnormalised; "
+        "no AlexNet baseline for this dataset): "
+        f"{errors['mean_corruption_error']:.4f}.\n\n"
+        + _table(["corruption"] + [f"s{s}" for s in severities] + ["mean"],
+                 rows) + "\n\n![corruptions](corruptions.png)")
+  return sections
+
+
+def after_training_hook(config: ml_collections.ConfigDict, workdir: str):
+  """The `train_and_evaluate(after_training=...)` hook for `config.robustness`."""
+
+  def hook(run, writer: MetricWriter) -> list[str]:
+    return evaluate_robustness(
+        run.model, run.state.variables(), run.datasets["test"], config.data,
+        config.robustness, batch_size=config.data.eval_batch_size,
+        writer=writer, step=int(run.state.step), workdir=workdir)
+
+  return hook
