@@ -21,7 +21,6 @@ one JSON object with the figures.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -30,7 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import machine, print_json_last, time_side_by_side  # noqa: E402
+from common import (  # noqa: E402
+    machine, parse_args, print_json_last, time_side_by_side)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                 ".."))
@@ -62,10 +62,7 @@ def make_model(batch: int):
 
 
 def main(argv=None) -> dict:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help="small shapes")
-  parser.add_argument("--repeats", type=int, default=7)
-  args = parser.parse_args(argv)
+  args = parse_args(__doc__.splitlines()[0], argv)
   s = QUICK if args.quick else FULL
   k, b = s["pgd_steps"], s["batch"]
   model, variables, x, labels = make_model(b)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -47,3 +48,12 @@ def machine() -> str:
 
 def print_json_last(figures: Mapping[str, Any]) -> None:
   print(json.dumps(dict(figures), sort_keys=True))
+
+
+def parse_args(description: str, argv=None) -> argparse.Namespace:
+  """The flags every benchmark takes: `--quick` and `--repeats`."""
+  parser = argparse.ArgumentParser(description=description)
+  parser.add_argument("--quick", action="store_true", help="small shapes")
+  parser.add_argument("--repeats", type=int, default=7,
+                      help="interleaved timed repetitions (median reported)")
+  return parser.parse_args(argv)

@@ -20,7 +20,6 @@ printed is one JSON object with the figures.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -28,7 +27,8 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import machine, print_json_last, time_side_by_side, xla_flops  # noqa: E402
+from common import (  # noqa: E402
+    machine, parse_args, print_json_last, time_side_by_side, xla_flops)
 
 from vmoe_ext.models.vit import MlpBlock  # noqa: E402
 from vmoe_ext.moe import MoeLayer  # noqa: E402
@@ -63,10 +63,7 @@ def _call_args(module, x):
 
 
 def main(argv=None) -> dict:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help="small shapes")
-  parser.add_argument("--repeats", type=int, default=7)
-  args = parser.parse_args(argv)
+  args = parse_args(__doc__.splitlines()[0], argv)
   s = QUICK if args.quick else FULL
   t, d, h, e, k, cf = s["tokens"], s["d"], s["h"], s["e"], s["k"], s["cf"]
   x = jax.random.normal(jax.random.key(2), (1, t, d), jnp.float32)
