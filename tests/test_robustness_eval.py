@@ -117,7 +117,7 @@ def test_robustness_config_errors(robustness, field):
 
 def _run(args):
   return subprocess.run([sys.executable, "-m", "vmoe_ext.main", *args],
-                        cwd=ROOT, capture_output=True, text=True, timeout=600)
+                        cwd=ROOT, capture_output=True, text=True, timeout=900)
 
 
 def test_evaluation_binary_restores_a_training_workdir(tmp_path):

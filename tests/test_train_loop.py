@@ -184,13 +184,19 @@ def test_binary_end_to_end_on_digits(tmp_path):
       [sys.executable, "-m", "vmoe_ext.main", "--config=configs/tiny.py",
        f"--workdir={workdir}", "--config.train.total_steps=6",
        "--config.train.checkpoint_every=3"],
-      cwd=ROOT, capture_output=True, text=True, timeout=300)
+      cwd=ROOT, capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "# Run report" in proc.stdout
   lines = [json.loads(l) for l in open(os.path.join(workdir,
                                                      "metrics.jsonl"))]
-  assert lines[-1]["final"] is True and lines[-1]["step"] == 6
-  assert 0.0 <= lines[-1]["accuracy"] <= 1.0
+  (final,) = [l for l in lines if l.get("final")]
+  assert final["split"] == "test" and final["step"] == 6
+  assert 0.0 <= final["accuracy"] <= 1.0
+  # The tiny config's robustness section ran after the final evaluation.
+  assert lines.index(final) < len(lines) - 1
+  assert {l["split"] for l in lines[lines.index(final) + 1:]} == {
+      "adversarial/fgsm", "adversarial/pgd", "adversarial/spsa", "sweep/pgd",
+      "corruption"}
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["3", "6"]
 
 
@@ -198,7 +204,7 @@ def test_binary_reports_config_errors_cleanly(tmp_path):
   proc = subprocess.run(
       [sys.executable, "-m", "vmoe_ext.main", "--config=configs/tiny.py",
        f"--workdir={tmp_path}", "--config.model.moe.num_experts=0"],
-      cwd=ROOT, capture_output=True, text=True, timeout=300)
+      cwd=ROOT, capture_output=True, text=True, timeout=900)
   assert proc.returncode == 2
   assert "config error: moe.num_experts" in proc.stderr
 
@@ -236,7 +242,7 @@ def test_binary_tfds_config_names_a_missing_data_dir(tmp_path):
       [sys.executable, "-m", "vmoe_ext.main",
        "--config=configs/cifar10_tfds.py", f"--workdir={tmp_path}",
        f"--config.data.data_dir={tmp_path / 'missing'}"],
-      cwd=ROOT, capture_output=True, text=True, timeout=300)
+      cwd=ROOT, capture_output=True, text=True, timeout=900)
   assert proc.returncode == 2, proc.stderr[-2000:]
   assert "config error: data.data_dir" in proc.stderr
   assert "does not exist" in proc.stderr
