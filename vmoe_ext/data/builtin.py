@@ -19,6 +19,7 @@ shuffles.
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import numpy as np
 
@@ -49,33 +50,41 @@ def _check_split(split: str) -> None:
           f"unknown split {split!r}; expected one of {SPLITS}")
 
 
+def _stratified_split(labels: np.ndarray, split: str,
+                      num_test: Callable[[int], int]) -> np.ndarray:
+  """Indices of `split`: per class, in stored order, the last `num_test(n_c)`
+  examples are "test" and the others "train"; classes in order 0..9."""
+  keep = []
+  for c in range(10):
+    idx = np.flatnonzero(labels == c)
+    cut = len(idx) - num_test(len(idx))
+    keep.append(idx[:cut] if split == "train" else idx[cut:])
+  return np.concatenate(keep)
+
+
+def _to_unit_images(images: np.ndarray, labels: np.ndarray, keep: np.ndarray,
+                    max_value: float, side: int
+                    ) -> tuple[np.ndarray, np.ndarray]:
+  x = (images[keep] / max_value).astype(np.float32).reshape(-1, side, side, 1)
+  return x, labels[keep].astype(np.int32)
+
+
 def load_mnist5k(split: str) -> tuple[np.ndarray, np.ndarray]:
   """Returns `(images [N, 28, 28, 1] float32 in [0, 1], labels [N] int32)`."""
   _check_split(split)
   images, labels = _mnist_raw()
-  keep = []
-  for c in range(10):
-    idx = np.flatnonzero(labels == c)
-    keep.append(idx[:MNIST5K_TRAIN_PER_CLASS] if split == "train"
-                else idx[MNIST5K_TRAIN_PER_CLASS:])
-  keep = np.concatenate(keep)
-  x = (images[keep] / 255.0).astype(np.float32).reshape(-1, 28, 28, 1)
-  return x, labels[keep].astype(np.int32)
+  keep = _stratified_split(labels, split,
+                           lambda n: n - MNIST5K_TRAIN_PER_CLASS)
+  return _to_unit_images(images, labels, keep, 255.0, 28)
 
 
 def load_digits(split: str) -> tuple[np.ndarray, np.ndarray]:
   """Returns `(images [N, 8, 8, 1] float32 in [0, 1], labels [N] int32)`."""
   _check_split(split)
   images, labels = _digits_raw()
-  keep = []
-  for c in range(10):
-    idx = np.flatnonzero(labels == c)
-    num_test = len(idx) // DIGITS_TEST_FRACTION_DENOMINATOR
-    keep.append(idx[:len(idx) - num_test] if split == "train"
-                else idx[len(idx) - num_test:])
-  keep = np.concatenate(keep)
-  x = (images[keep] / 16.0).astype(np.float32).reshape(-1, 8, 8, 1)
-  return x, labels[keep].astype(np.int32)
+  keep = _stratified_split(labels, split,
+                           lambda n: n // DIGITS_TEST_FRACTION_DENOMINATOR)
+  return _to_unit_images(images, labels, keep, 16.0, 8)
 
 
 def mnist5k_datasets() -> dict[str, ArrayDataset]:

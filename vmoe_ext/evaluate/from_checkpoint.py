@@ -6,6 +6,7 @@ import os
 import time
 from typing import Any
 
+import jax
 import ml_collections
 
 from vmoe_ext.errors import require
@@ -14,8 +15,6 @@ from vmoe_ext.train import loop
 from vmoe_ext.train.report import write_report
 from vmoe_ext.train.steps import evaluate, make_eval_step
 from vmoe_ext.train.writers import MetricWriter, read_metrics
-
-import jax
 
 
 def evaluate_checkpoint(config: ml_collections.ConfigDict,
