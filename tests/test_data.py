@@ -586,3 +586,94 @@ def test_tfds_data_dir_must_exist_and_be_readable(tmp_path, monkeypatch):
   with pytest.raises(ConfigError, match="^data[.]data_dir: .*not readable"):
     data.load_dataset(_tfds_config(tfds_name="cifar10",
                                    data_dir=str(tmp_path)))
+
+
+# --------------------------------------------------------------------------
+# Readers for evaluation datasets: TFDS split by batch, image folders.
+
+
+def test_tfds_reader_reads_by_index_like_the_whole_split(tiny_tfds_dir):
+  from vmoe_ext.data.tfds_adapter import TfdsReader
+  config = _tfds_config(tfds_name="vmoe_ext_tiny_images",
+                        data_dir=tiny_tfds_dir)
+  whole = data.load_dataset(config)["train"]
+  reader = TfdsReader(config, "train", prefix="robustness.datasets.x")
+  assert len(reader) == 5 and reader.num_classes == 3
+  images, labels = reader.read(np.array([4, 0, 2]), 2)
+  np.testing.assert_allclose(images, data.resize(whole.images[[4, 0, 2]], 2),
+                             rtol=1e-6)
+  np.testing.assert_array_equal(labels, whole.labels[[4, 0, 2]])
+  with _field_error("robustness.datasets.x.split"):
+    TfdsReader(config, "validation", prefix="robustness.datasets.x")
+  assert "tensorflow" not in sys.modules
+
+
+def test_evenly_spaced_and_reader_batches():
+  from vmoe_ext.data.readers import ArrayReader, evenly_spaced, reader_batches
+  np.testing.assert_array_equal(evenly_spaced(10, 4), [0, 3, 6, 9])
+  np.testing.assert_array_equal(evenly_spaced(3, None), [0, 1, 2])
+  np.testing.assert_array_equal(evenly_spaced(3, 5), [0, 1, 2])
+  ds = data.ArrayDataset(np.arange(5, dtype=np.float32).reshape(5, 1, 1, 1),
+                         np.arange(5, dtype=np.int32), 5, "five")
+  batches = list(reader_batches(ArrayReader(ds), np.array([4, 1, 3]), 2,
+                                None))
+  assert len(batches) == 2
+  np.testing.assert_array_equal(batches[0]["image"].ravel(), [4, 1])
+  np.testing.assert_array_equal(batches[1]["image"].ravel(), [3, 0])
+  np.testing.assert_array_equal(batches[1]["label"], [3, 0])
+  np.testing.assert_array_equal(batches[1]["mask"], [True, False])
+
+
+def _save(path, array, mode=None):
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  PIL.Image.fromarray(array, mode).save(path)
+
+
+def test_image_folder_reader(tmp_path):
+  from vmoe_ext.data.image_folder import ImageFolderReader
+  red = np.zeros((3, 5, 3), np.uint8)
+  red[..., 0] = 200
+  grey = np.full((3, 5), 60, np.uint8)
+  _save(str(tmp_path / "n02" / "b.png"), red)
+  _save(str(tmp_path / "n02" / "a.png"), grey)
+  _save(str(tmp_path / "n01" / "z.png"), red)
+  (tmp_path / "n01" / "notes.txt").write_text("not an image")
+  (tmp_path / "n01" / ".hidden.png").write_bytes(b"")
+  reader = ImageFolderReader(str(tmp_path))
+  assert reader.class_names == ("n01", "n02") and reader.num_classes == 2
+  assert [os.path.basename(f) for f in reader.files] == ["z.png", "a.png",
+                                                         "b.png"]
+  images, labels = reader.read(np.array([2, 1]), None)
+  np.testing.assert_array_equal(labels, [1, 1])
+  assert images.shape == (2, 3, 5, 3)
+  np.testing.assert_allclose(images[0, 0, 0], [200 / 255, 0, 0], rtol=1e-6)
+  np.testing.assert_allclose(images[1], 60 / 255, rtol=1e-6)  # grey -> RGB
+  images, _ = reader.read(np.array([0]), 4)
+  np.testing.assert_allclose(images, data.resize(red[None] / 255.0, 4),
+                             rtol=1e-5)
+  # Greyscale reading uses PIL's "L" conversion (ITU-R 601 luma).
+  grey_reader = ImageFolderReader(str(tmp_path), channels=1, max_examples=1)
+  images, _ = grey_reader.read(np.array([0]), None)
+  assert len(grey_reader) == 1 and images.shape == (1, 3, 5, 1)
+  want = np.asarray(PIL.Image.fromarray(red).convert("L"), np.float32) / 255
+  np.testing.assert_allclose(images[0, ..., 0], want, rtol=1e-6)
+
+
+def test_image_folder_errors(tmp_path):
+  from vmoe_ext.data.image_folder import ImageFolderReader
+  with _field_error("src.path"):
+    ImageFolderReader(str(tmp_path / "missing"), field="src.path")
+  with pytest.raises(ConfigError, match="no class sub-folders"):
+    ImageFolderReader(str(tmp_path))
+  os.makedirs(tmp_path / "c")
+  with pytest.raises(ConfigError, match="no image files"):
+    ImageFolderReader(str(tmp_path))
+  (tmp_path / "c" / "broken.jpg").write_bytes(b"not a jpeg")
+  reader = ImageFolderReader(str(tmp_path), field="src.path")
+  with pytest.raises(ConfigError, match="^src[.]path: cannot decode image"):
+    reader.read(np.array([0]), None)
+  _save(str(tmp_path / "c" / "ok.png"), np.zeros((2, 3), np.uint8))
+  _save(str(tmp_path / "c" / "tall.png"), np.zeros((4, 3), np.uint8))
+  reader = ImageFolderReader(str(tmp_path), field="src.path")
+  with pytest.raises(ConfigError, match="different shapes"):
+    reader.read(np.array([1, 2]), None)

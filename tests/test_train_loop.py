@@ -209,8 +209,8 @@ def test_binary_reports_config_errors_cleanly(tmp_path):
   assert "config error: moe.num_experts" in proc.stderr
 
 
-@pytest.mark.parametrize("name", ["default", "vit_dense", "soft_moe",
-                                  "expert_choice", "tiny", "cifar10_tfds"])
+@pytest.mark.parametrize("name", sorted(
+    f[:-3] for f in os.listdir(CONFIG_DIR) if f.endswith(".py")))
 def test_every_config_file_validates(name):
   from vmoe_ext.train.validate import validate_config
   config = load_config(name)

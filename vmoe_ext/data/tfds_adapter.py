@@ -51,12 +51,12 @@ def check_data_dir(data_dir: Any, field: str = "data.data_dir") -> str:
   return path
 
 
-def _import_tfds():
+def _import_tfds(field: str = "data.name"):
   try:
     import tensorflow_datasets as tfds  # Heavy optional import, only when used.
   except ImportError as e:
     raise ConfigError(
-        "data.name", "name='tfds' needs the tensorflow-datasets package: "
+        field, "TFDS datasets need the tensorflow-datasets package: "
         "pip install 'vmoe_ext[tfds]'") from e
   return tfds
 
@@ -82,36 +82,26 @@ def _to_unit_float(image: np.ndarray, field: str) -> np.ndarray:
 
 
 def _stack_images(images: Sequence[np.ndarray], image_size: int | None,
-                  name: str) -> np.ndarray:
+                  name: str, field: str = "data.image_size") -> np.ndarray:
   if image_size is not None:
     return np.concatenate([preprocessing.resize(x[None], image_size)
                            for x in images]) if images else np.zeros(
                                (0, image_size, image_size, 1), np.float32)
   shapes = {x.shape for x in images}
-  require(len(shapes) <= 1, "data.image_size",
+  require(len(shapes) <= 1, field,
           f"{name} has images of different shapes (e.g. {sorted(shapes)[:2]}); "
-          "set data.image_size to resize them when reading")
+          f"set {field} to resize them when reading")
   return np.stack(images) if images else np.zeros((0, 1, 1, 1), np.float32)
 
 
-def _read_array_record(source, num: int, image_key: str, label_key: str
-                       ) -> tuple[list[np.ndarray], list[int]]:
-  images, labels = [], []
-  for i in range(num):
-    example = source[i]
-    images.append(_to_unit_float(example[image_key], "data.image_key"))
-    labels.append(int(example[label_key]))
-  return images, labels
-
-
 def _read_with_tensorflow(tfds, builder, split: str, num: int | None,
-                          image_key: str, label_key: str, name: str
-                          ) -> tuple[list[np.ndarray], list[int]]:
+                          image_key: str, label_key: str, name: str,
+                          prefix: str) -> tuple[list[np.ndarray], list[int]]:
   try:
     importlib.import_module("tensorflow")
   except ImportError as e:
     raise ConfigError(
-        "data.data_dir",
+        f"{prefix}.data_dir",
         f"{name} is prepared under the data_dir in the tfrecord format, which "
         "only TensorFlow can read: pip install tensorflow-cpu, or prepare the "
         "dataset with file_format='array_record' (read without TensorFlow)"
@@ -121,69 +111,136 @@ def _read_with_tensorflow(tfds, builder, split: str, num: int | None,
     ds = ds.take(num)
   images, labels = [], []
   for example in tfds.as_numpy(ds):
-    images.append(_to_unit_float(example[image_key], "data.image_key"))
+    images.append(_to_unit_float(example[image_key], f"{prefix}.image_key"))
     labels.append(int(example[label_key]))
   return images, labels
 
 
-def load_tfds(config: Mapping[str, Any]) -> dict[str, ArrayDataset]:
-  """`{"train", "test"}` splits of a prepared TFDS dataset (module doc)."""
+def _open_builder(config: Mapping[str, Any], prefix: str):
+  """`(tfds, builder, image_key, label_key, max_examples)` of a config."""
   name = config.get("tfds_name", None)
-  require(isinstance(name, str) and name, "data.tfds_name",
+  require(isinstance(name, str) and name, f"{prefix}.tfds_name",
           f"required with name='tfds' (e.g. 'cifar10'), got {name!r}")
-  data_dir = check_data_dir(config.get("data_dir", None))
+  data_dir = check_data_dir(config.get("data_dir", None), f"{prefix}.data_dir")
   image_key = config.get("image_key", None) or "image"
   label_key = config.get("label_key", None) or "label"
-  image_size = config.get("image_size", None)
   max_examples = config.get("max_examples", None)
   require(max_examples is None or (
       isinstance(max_examples, (int, np.integer)) and max_examples > 0),
-          "data.max_examples",
+          f"{prefix}.max_examples",
           f"must be None or a positive integer, got {max_examples!r}")
 
-  tfds = _import_tfds()
+  tfds = _import_tfds(f"{prefix}.tfds_name" if prefix != "data"
+                      else "data.name")
   try:
     builder = tfds.builder(name, data_dir=data_dir, try_gcs=False)
   except tfds.core.DatasetNotFoundError as e:
-    raise ConfigError("data.tfds_name",
+    raise ConfigError(f"{prefix}.tfds_name",
                       f"TFDS has no dataset named {name!r}") from e
+  except ValueError as e:  # e.g. an unknown builder config "name/config".
+    raise ConfigError(f"{prefix}.tfds_name", f"{name!r}: {e}") from e
   features = builder.info.features
-  require(image_key in features, "data.image_key",
+  require(image_key in features, f"{prefix}.image_key",
           f"{name} has no feature {image_key!r}; features: {list(features)}")
   require(label_key in features and hasattr(features[label_key],
                                             "num_classes"),
-          "data.label_key",
+          f"{prefix}.label_key",
           f"{name} has no class-label feature {label_key!r}; features: "
           f"{list(features)}")
-  num_classes = int(features[label_key].num_classes)
-  known_splits = list(builder.info.splits)
+  return tfds, builder, image_key, label_key, max_examples
 
-  out = {}
-  for key in ("train", "test"):
-    field = f"data.{key}_split"
-    split = config.get(f"{key}_split", None) or key
+
+class TfdsReader:
+  """Random access to one split of a prepared TFDS dataset (`ExampleReader`).
+
+  Array-record data is read example by example from the data source, so a
+  split never has to fit in memory; tfrecord data (TensorFlow needed) is read
+  whole when opened.
+  """
+
+  def __init__(self, config: Mapping[str, Any], split: str, *,
+               prefix: str = "data", split_field: str | None = None):
+    """Opens `split` of `config.tfds_name` (see `load_tfds_split`)."""
+    tfds, builder, image_key, label_key, max_examples = _open_builder(
+        config, prefix)
+    name = config.get("tfds_name")
+    field = split_field or f"{prefix}.split"
+    require(isinstance(split, str) and split, field,
+            f"must be a TFDS split name, got {split!r}")
+    known_splits = list(builder.info.splits)
     if known_splits:  # Empty only for datasets whose info lacks splits.
       for base in _split_names(split):
         require(base in known_splits, field,
                 f"{name} has no split {base!r}; splits: {known_splits}")
+    self.name = f"tfds:{name}/{split}"
+    self.num_classes = int(builder.info.features[label_key].num_classes)
+    self._keys = (image_key, label_key)
+    self._prefix = prefix
+    self._source = self._loaded = None
     try:
-      source = builder.as_data_source(split=split)
+      self._source = builder.as_data_source(split=split)
     except Exception as e:  # pylint: disable=broad-except
       if not builder.is_prepared():
         raise ConfigError(
-            "data.data_dir", f"no prepared copy of {name} under {data_dir!r} "
-            f"(expected {builder.data_dir}); nothing is downloaded") from e
+            f"{prefix}.data_dir", f"no prepared copy of {name} under "
+            f"{config.get('data_dir')!r} (expected {builder.data_dir}); "
+            "nothing is downloaded") from e
       if not isinstance(e, NotImplementedError):
         raise
-      images, labels = _read_with_tensorflow(tfds, builder, split,
-                                             max_examples, image_key,
-                                             label_key, name)
+      self._loaded = _read_with_tensorflow(tfds, builder, split, max_examples,
+                                           image_key, label_key, name, prefix)
+      self._len = len(self._loaded[1])
     else:
-      num = len(source) if max_examples is None else min(len(source),
-                                                          max_examples)
-      images, labels = _read_array_record(source, num, image_key, label_key)
-    out[key] = ArrayDataset(
-        images=_stack_images(images, image_size, f"{name}/{split}"),
-        labels=np.asarray(labels, np.int32).reshape(-1),
-        num_classes=num_classes, name=f"tfds:{name}/{split}")
-  return out
+      self._len = (len(self._source) if max_examples is None
+                   else min(len(self._source), max_examples))
+
+  def __len__(self) -> int:
+    return self._len
+
+  def read(self, indices: np.ndarray, image_size: int | None
+           ) -> tuple[np.ndarray, np.ndarray]:
+    """`(images [n, S, S, C] float32 in [0, 1], labels [n] int32)`."""
+    indices = [int(i) for i in np.asarray(indices).reshape(-1)]
+    if self._loaded is not None:
+      images = [self._loaded[0][i] for i in indices]
+      labels = [self._loaded[1][i] for i in indices]
+    else:
+      image_key, label_key = self._keys
+      images, labels = [], []
+      for i in indices:
+        example = self._source[i]
+        images.append(_to_unit_float(example[image_key],
+                                     f"{self._prefix}.image_key"))
+        labels.append(int(example[label_key]))
+    return (_stack_images(images, image_size, self.name,
+                          f"{self._prefix}.image_size"),
+            np.asarray(labels, np.int32).reshape(-1))
+
+
+def load_tfds_split(config: Mapping[str, Any], split: str, *,
+                    prefix: str = "data", split_field: str | None = None,
+                    image_size: int | None = None) -> ArrayDataset:
+  """One split of a prepared TFDS dataset, whole, as an `ArrayDataset`.
+
+  Args:
+    config: mapping with `tfds_name`, `data_dir` and optionally `image_key`,
+      `label_key`, `max_examples` (the first N; module doc); `tfds_name` may
+      name a builder config, e.g. "imagenet2012_corrupted/fog_3".
+    split: a TFDS split expression, e.g. "validation" or "test[:10%]".
+    prefix: config path named in errors ("data", "robustness.datasets.x").
+    split_field: field named in split errors (default `{prefix}.split`).
+    image_size: resize every image to this square side when read (None: keep
+      the stored size; all images must then share one shape).
+  """
+  reader = TfdsReader(config, split, prefix=prefix, split_field=split_field)
+  images, labels = reader.read(np.arange(len(reader)), image_size)
+  return ArrayDataset(images=images, labels=labels,
+                      num_classes=reader.num_classes, name=reader.name)
+
+
+def load_tfds(config: Mapping[str, Any]) -> dict[str, ArrayDataset]:
+  """`{"train", "test"}` splits of a prepared TFDS dataset (module doc)."""
+  return {key: load_tfds_split(
+      config, config.get(f"{key}_split", None) or key,
+      split_field=f"data.{key}_split",
+      image_size=config.get("image_size", None)) for key in ("train", "test")}

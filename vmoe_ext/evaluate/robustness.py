@@ -12,7 +12,7 @@ per-example comparison.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import flax.linen as nn
 import jax
@@ -25,10 +25,11 @@ from vmoe_ext.data import ArrayDataset, default_normalization, eval_batches
 from vmoe_ext.data.corruptions import CORRUPTIONS, corrupt
 from vmoe_ext.errors import ConfigError, require
 from vmoe_ext.evaluate.corruption_metrics import corruption_errors
+from vmoe_ext.evaluate.datasets import check_datasets, evaluate_datasets
+from vmoe_ext.evaluate.evaluator import (Evaluator, clean_accuracy,
+                                         markdown_table)
 from vmoe_ext.evaluate.metrics import routing_change_rate
 from vmoe_ext.train.writers import MetricWriter, progress_bar
-
-Array = jax.Array
 
 DEFAULTS: dict[str, Any] = {
     "num_examples": None,   # first N test examples (None: all)
@@ -36,6 +37,8 @@ DEFAULTS: dict[str, Any] = {
     "sweep": None,          # {"attack": {...}, "eps": (...)}
     "corruptions": None,    # {"names": None (all), "severities": (1..5),
                             #  "num_examples": None}
+    "datasets": None,       # {name: {"kind": ..., "source": ...}}; see
+                            # vmoe_ext.evaluate.datasets
     "seed": 0,
 }
 
@@ -79,6 +82,7 @@ def robustness_config(config: Mapping[str, Any]) -> dict[str, Any]:
     for s in corr.get("severities") or ():
       require(s in (1, 2, 3, 4, 5), "robustness.corruptions.severities",
               f"severities are 1..5, got {s!r}")
+  out["datasets"] = check_datasets(out["datasets"])
   return out
 
 
@@ -90,46 +94,6 @@ def _subset(dataset: ArrayDataset, n: Optional[int]) -> ArrayDataset:
   idx = np.linspace(0, len(dataset) - 1, n).round().astype(int)
   return ArrayDataset(dataset.images[idx], dataset.labels[idx],
                       dataset.num_classes, dataset.name)
-
-
-class Evaluator:
-  """Jitted clean/attacked evaluation of one model on raw [0, 1] images."""
-
-  def __init__(self, model: nn.Module, variables: Mapping[str, Any],
-               mean: Any, std: Any):
-    self.model = model
-    self.variables = variables
-    self.mean = jnp.asarray(mean, jnp.float32)
-    self.std = jnp.asarray(std, jnp.float32)
-    self._forward = jax.jit(self._forward_with_routing)
-    self._attacks: dict[str, Callable] = {}
-
-  def logits_fn(self, x: Array) -> Array:
-    """Deterministic logits of raw images `[B, H, W, C]` in [0, 1]."""
-    return self.model.apply(self.variables, (x - self.mean) / self.std,
-                            deterministic=True)[0]
-
-  def _forward_with_routing(self, x: Array):
-    (logits, _), state = self.model.apply(
-        self.variables, (x - self.mean) / self.std, deterministic=True,
-        mutable=["intermediates"])
-    masks = {name: block["Moe"]["expert_mask"][0]
-             for name, block in state.get("intermediates", {}).items()
-             if "Moe" in block}
-    return logits, masks
-
-  def forward(self, x: Array):
-    """`(logits [B, classes], {block name: expert_mask [B, T, E]})`."""
-    return self._forward(x)
-
-  def attack(self, attack_config: Mapping[str, Any]) -> Callable:
-    """Jitted `(x, labels, key) -> x_adv` for an attack config."""
-    key = repr(sorted(attack_config.items()))
-    if key not in self._attacks:
-      attack = make_attack(dict(attack_config))
-      self._attacks[key] = jax.jit(
-          lambda x, y, k: attack(self.logits_fn, x, y, k))
-    return self._attacks[key]
 
 
 def _accumulate(total: dict, key: str, value: float, weight: float) -> None:
@@ -175,17 +139,6 @@ def attack_metrics(evaluator: Evaluator, dataset: ArrayDataset,
   return {k: s / max(w, 1.0) for k, (s, w) in total.items()}
 
 
-def clean_accuracy(evaluator: Evaluator, dataset: ArrayDataset,
-                   batch_size: int) -> float:
-  correct = count = 0.0
-  for batch in eval_batches(dataset, batch_size):
-    logits, _ = evaluator.forward(jnp.asarray(batch["image"]))
-    pred = np.asarray(logits).argmax(-1)
-    correct += float(np.sum((pred == batch["label"])[batch["mask"]]))
-    count += float(batch["mask"].sum())
-  return correct / max(count, 1.0)
-
-
 def _plot_sweep(eps: Sequence[float], acc: Sequence[float],
                 routing: dict[str, list[float]], title: str,
                 path: str) -> None:
@@ -224,14 +177,6 @@ def _plot_corruptions(per_corruption: Mapping[str, float], path: str) -> None:
   plt.close(fig)
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-  fmt = lambda v: f"{v:.4f}" if isinstance(v, float) else str(v)
-  lines = ["| " + " | ".join(header) + " |",
-           "|" + "---|" * len(header)]
-  lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
-  return "\n".join(lines)
-
-
 def evaluate_robustness(model: nn.Module, variables: Mapping[str, Any],
                         test: ArrayDataset,
                         data_config: ml_collections.ConfigDict,
@@ -240,9 +185,13 @@ def evaluate_robustness(model: nn.Module, variables: Mapping[str, Any],
                         workdir: str) -> list[str]:
   """Runs every configured evaluation; returns markdown report sections."""
   cfg = robustness_config(robustness)
-  require(data_config.get("image_size") is None, "data.image_size",
-          "robustness evaluation runs on the stored image size; resizing "
-          "before attacking is not supported")
+  size = data_config.get("image_size")
+  if cfg["attacks"] or cfg["sweep"] or cfg["corruptions"] is not None:
+    require(size is None or tuple(test.images.shape[1:3]) == (size, size),
+            "data.image_size",
+            f"attacks and corruptions run on the stored test images "
+            f"({test.images.shape[1]}x{test.images.shape[2]}); resizing them "
+            f"to {size} before attacking is not supported")
   mean, std = default_normalization(data_config)
   evaluator = Evaluator(model, variables, mean, std)
   data = _subset(test, cfg["num_examples"])
@@ -267,7 +216,7 @@ def evaluate_robustness(model: nn.Module, variables: Mapping[str, Any],
     sections.append(
         "## Adversarial robustness\n\nAttacks on raw [0, 1] images (eps in "
         "those units), deterministic model, identical batching for clean and "
-        "attacked inputs.\n\n" + _table(
+        "attacked inputs.\n\n" + markdown_table(
             ["attack", "eps", "examples", "clean acc", "adv acc",
              "prediction change", "routing change per MoE layer"], rows))
 
@@ -289,7 +238,7 @@ def evaluate_robustness(model: nn.Module, variables: Mapping[str, Any],
     rows = [[e, a] + [routing[l][i] for l in sorted(routing)]
             for i, (e, a) in enumerate(zip(eps_list, acc))]
     sections.append(
-        f"## Robustness curve ({attack['name']})\n\n" + _table(
+        f"## Robustness curve ({attack['name']})\n\n" + markdown_table(
             ["eps", "accuracy"] + [f"{l} routing change"
                                    for l in sorted(routing)], rows)
         + f"\n\n![robustness curve]({os.path.basename(path)})")
@@ -328,8 +277,12 @@ def evaluate_robustness(model: nn.Module, variables: Mapping[str, Any],
         f"{len(subset)} test images. Mean corruption error (unnormalised; "
         "no AlexNet baseline for this dataset): "
         f"{errors['mean_corruption_error']:.4f}.\n\n"
-        + _table(["corruption"] + [f"s{s}" for s in severities] + ["mean"],
+        + markdown_table(["corruption"] + [f"s{s}" for s in severities] + ["mean"],
                  rows) + "\n\n![corruptions](corruptions.png)")
+  if cfg["datasets"]:
+    sections += evaluate_datasets(
+        evaluator, test, data_config, cfg["datasets"], batch_size=batch_size,
+        writer=writer, step=step, workdir=workdir)
   return sections
 
 

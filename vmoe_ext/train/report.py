@@ -42,7 +42,8 @@ def plot_curves(records: Sequence[Mapping[str, Any]], path: str) -> None:
     ax1.plot([r["step"] for r in train],
              [r["cross_entropy"] for r in train], label="train cross-entropy")
   ax1.set(xlabel="step", ylabel="loss", title="Training loss")
-  ax1.legend()
+  if train:  # An evaluation-only report has no training lines.
+    ax1.legend()
   if train:
     ax2.plot([r["step"] for r in train], [r["accuracy"] for r in train],
              label="train (batch)")
@@ -50,7 +51,8 @@ def plot_curves(records: Sequence[Mapping[str, Any]], path: str) -> None:
     ax2.plot([r["step"] for r in test], [r["accuracy"] for r in test], "o-",
              label="test")
   ax2.set(xlabel="step", ylabel="accuracy", title="Accuracy", ylim=(0, 1))
-  ax2.legend()
+  if train or test:
+    ax2.legend()
   fig.tight_layout()
   fig.savefig(path, dpi=100)
   plt.close(fig)

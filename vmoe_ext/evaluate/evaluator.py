@@ -1,0 +1,103 @@
+"""`Evaluator`: one trained model as jitted functions of raw [0, 1] images.
+
+The model sees its inputs normalised with the training data's statistics
+inside `logits_fn`, so attacks and corruptions work in raw pixel units. It
+always runs deterministically (no router noise, no dropout).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from vmoe_ext.attacks import make_attack
+from vmoe_ext.data import ArrayDataset
+from vmoe_ext.data.readers import (ArrayReader, ExampleReader,
+                                   reader_batches)
+from vmoe_ext.train.writers import progress_bar
+
+Array = jax.Array
+
+
+class Evaluator:
+  """Jitted clean/attacked evaluation of one model on raw [0, 1] images."""
+
+  def __init__(self, model: nn.Module, variables: Mapping[str, Any],
+               mean: Any, std: Any):
+    self.model = model
+    self.variables = variables
+    self.mean = jnp.asarray(mean, jnp.float32)
+    self.std = jnp.asarray(std, jnp.float32)
+    self._forward = jax.jit(self._forward_with_routing)
+    self._attacks: dict[str, Callable] = {}
+
+  def logits_fn(self, x: Array) -> Array:
+    """Deterministic logits of raw images `[B, H, W, C]` in [0, 1]."""
+    return self.model.apply(self.variables, (x - self.mean) / self.std,
+                            deterministic=True)[0]
+
+  def _forward_with_routing(self, x: Array):
+    (logits, _), state = self.model.apply(
+        self.variables, (x - self.mean) / self.std, deterministic=True,
+        mutable=["intermediates"])
+    masks = {name: block["Moe"]["expert_mask"][0]
+             for name, block in state.get("intermediates", {}).items()
+             if "Moe" in block}
+    return logits, masks
+
+  def forward(self, x: Array):
+    """`(logits [B, classes], {block name: expert_mask [B, T, E]})`."""
+    return self._forward(x)
+
+  def attack(self, attack_config: Mapping[str, Any]) -> Callable:
+    """Jitted `(x, labels, key) -> x_adv` for an attack config."""
+    key = repr(sorted(attack_config.items()))
+    if key not in self._attacks:
+      attack = make_attack(dict(attack_config))
+      self._attacks[key] = jax.jit(
+          lambda x, y, k: attack(self.logits_fn, x, y, k))
+    return self._attacks[key]
+
+  def predict(self, reader: ExampleReader, batch_size: int, *,
+              indices: Optional[np.ndarray] = None,
+              image_size: Optional[int] = None,
+              desc: Optional[str] = None) -> tuple[np.ndarray, np.ndarray]:
+    """Logits `[n, classes]` (float32) and labels `[n]` of `reader`'s examples
+    `indices` (default: all), read and evaluated in padded batches of
+    `batch_size`, images resized to `image_size` when read."""
+    if indices is None:
+      indices = np.arange(len(reader))
+    logits, labels = [], []
+    num_batches = -(-len(indices) // batch_size)
+    with progress_bar(total=num_batches, desc=desc or reader.name,
+                      disable=True if desc is None else None) as bar:
+      for batch in reader_batches(reader, indices, batch_size, image_size):
+        out, _ = self.forward(jnp.asarray(batch["image"]))
+        out = np.asarray(out, np.float32)
+        logits.append(out[batch["mask"]])
+        labels.append(batch["label"][batch["mask"]])
+        bar.update(1)
+    if not logits:
+      return np.zeros((0, 0), np.float32), np.zeros(0, np.int32)
+    return np.concatenate(logits), np.concatenate(labels)
+
+
+def clean_accuracy(evaluator: Evaluator, dataset: ArrayDataset,
+                   batch_size: int) -> float:
+  """Top-1 accuracy of `evaluator` on every example of `dataset`."""
+  logits, labels = evaluator.predict(ArrayReader(dataset), batch_size)
+  return float(np.mean(logits.argmax(-1) == labels)) if len(labels) else 0.0
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]
+                   ) -> str:
+  """A markdown table; floats are written with 4 decimals."""
+  fmt = lambda v: f"{v:.4f}" if isinstance(v, float) else str(v)
+  lines = ["| " + " | ".join(header) + " |",
+           "|" + "---|" * len(header)]
+  lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
+  return "\n".join(lines)
