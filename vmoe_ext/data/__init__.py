@@ -1,4 +1,5 @@
-"""Data: built-in offline datasets, synthetic clusters, TFDS adapter, batching.
+"""Data: built-in offline datasets, synthetic clusters, TFDS adapter, batching,
+random-access readers for evaluation datasets (`readers`, `image_folder`).
 
 Nothing here downloads. Loaders return `{"train", "test"}` `ArrayDataset`s of
 raw [0, 1] images; `TrainIterator` / `eval_batches` resize, augment and

@@ -1,12 +1,15 @@
 """Evaluation: accuracy, routing change, load balance, router instability,
 corruption error / mCE, OOD AUPR, 200-class subsets (DESIGN §4.10).
 
-Host-side numpy metrics; the local corruption suite itself lives in
+Host-side numpy metrics (`metrics`, `corruption_metrics`); `Evaluator` (a
+model as jitted functions of raw images); the robustness evaluation run by the
+binary (`robustness`, `datasets`). The local corruption suite itself lives in
 `vmoe_ext.data.corruptions`.
 """
 
 from vmoe_ext.evaluate.corruption_metrics import (
     ALEXNET_ERRORS, corruption_errors, mce, normalized_corruption_errors)
+from vmoe_ext.evaluate.evaluator import Evaluator
 from vmoe_ext.evaluate.imagenet_subsets import (IMAGENET_A_CLASSES,
                                                 IMAGENET_R_CLASSES)
 from vmoe_ext.evaluate.metrics import (average_precision, expert_set_iou,
@@ -19,6 +22,7 @@ from vmoe_ext.evaluate.metrics import (average_precision, expert_set_iou,
 
 __all__ = [
     "ALEXNET_ERRORS",
+    "Evaluator",
     "IMAGENET_A_CLASSES",
     "IMAGENET_R_CLASSES",
     "average_precision",

@@ -33,8 +33,9 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict,
   require(os.path.isdir(ckpt_dir) and any(
       name.isdigit() for name in os.listdir(ckpt_dir)),
           "robustness.checkpoint_dir",
-          f"no checkpoint found in {ckpt_dir!r}; train first (python -m "
-          f"vmoe_ext.main --workdir={source})")
+          f"no checkpoint found in {ckpt_dir!r}; train into that workdir "
+          f"first (python -m vmoe_ext.main --config=TRAINING_CONFIG "
+          f"--workdir={source})")
   run = loop.setup(config, source)
   step = run.restore()
   run.checkpoints.close()

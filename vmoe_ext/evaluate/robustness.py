@@ -1,5 +1,7 @@
 """Robustness evaluation of a trained model: attacks, routing change, eps
-sweeps and corruptions, written to `metrics.jsonl`, PNGs and report sections.
+sweeps, the local corruption suite and evaluation datasets (corrupted sets,
+class-subset accuracy, OOD; `vmoe_ext.evaluate.datasets`), written to
+`metrics.jsonl`, PNGs and report sections.
 
 Attacks work on raw images in [0, 1] (eps in those units); the model sees them
 normalised, inside `logits_fn`. Clean and attacked inputs are evaluated in the
