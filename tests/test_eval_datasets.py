@@ -23,6 +23,7 @@ import pytest
 import sklearn.metrics
 import tensorflow_datasets as tfds
 
+from tiny_configs import tiny_cifar10
 from vmoe_ext.data import ArrayDataset, resize
 from vmoe_ext.errors import ConfigError
 from vmoe_ext.evaluate.corruption_metrics import ALEXNET_ERRORS
@@ -402,19 +403,6 @@ def test_evaluation_time_errors(tmp_path, models):
   assert e.value.field == "robustness.datasets.c.source.path"
 
 
-def _tiny_cifar10(config, data_dir):
-  config.data.data_dir = data_dir
-  config.data.batch_size = config.data.eval_batch_size = 4
-  config.model.update(dict(hidden_size=8, num_layers=2, num_heads=2,
-                           mlp_dim=8, dropout_rate=0.0))
-  config.model.moe = dict(every=2, num_experts=2, group_size=65 * 2,
-                          router=dict(name="noisy_topk", num_selected=1))
-  config.train.update(dict(total_steps=2, log_every=1, eval_every=0,
-                           checkpoint_every=2))
-  config.optimizer.warmup_steps = 1
-  return config
-
-
 def test_robustness_cifar10_config_evaluates_a_mock_run(tmp_path):
   from vmoe_ext.evaluate.from_checkpoint import evaluate_checkpoint
   from vmoe_ext.train import loop
@@ -423,9 +411,9 @@ def test_robustness_cifar10_config_evaluates_a_mock_run(tmp_path):
   data_dir, run, out = (str(tmp_path / d) for d in ("tfds", "run", "eval"))
   os.makedirs(data_dir)
   with tfds.testing.mock_data(num_examples=6):
-    loop.train_and_evaluate(_tiny_cifar10(load_config("cifar10_tfds"),
+    loop.train_and_evaluate(tiny_cifar10(load_config("cifar10_tfds"),
                                           data_dir), run)
-  config = _tiny_cifar10(load_config("robustness_cifar10", run), data_dir)
+  config = tiny_cifar10(load_config("robustness_cifar10", run), data_dir)
   config.robustness.update(dict(
       num_examples=4,
       attacks=(dict(name="fgsm", eps=8 / 255),

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 import pytest
 
+from tiny_configs import tiny_cifar10
 from vmoe_ext.errors import ConfigError
 from vmoe_ext.train import loop
 from vmoe_ext.train.config_files import CONFIG_DIR, load_config
@@ -220,17 +221,8 @@ def test_every_config_file_validates(name):
 
 def test_cifar10_tfds_config_trains_on_mock_data(tmp_path):
   import tensorflow_datasets as tfds
-  config = load_config("cifar10_tfds")
-  config.data.data_dir = str(tmp_path / "tfds")
-  os.makedirs(config.data.data_dir)
-  config.data.batch_size = config.data.eval_batch_size = 4
-  config.model.update(dict(hidden_size=8, num_layers=2, num_heads=2,
-                           mlp_dim=8, dropout_rate=0.0))
-  config.model.moe = dict(every=2, num_experts=2, group_size=65 * 2,
-                          router=dict(name="noisy_topk", num_selected=1))
-  config.train.update(dict(total_steps=2, log_every=1, eval_every=0,
-                           checkpoint_every=2))
-  config.optimizer.warmup_steps = 1
+  os.makedirs(tmp_path / "tfds")
+  config = tiny_cifar10(load_config("cifar10_tfds"), str(tmp_path / "tfds"))
   with tfds.testing.mock_data(num_examples=6):
     final = loop.train_and_evaluate(config, str(tmp_path / "run"))
   assert final["num_examples"] == 6 and final["step"] == 2

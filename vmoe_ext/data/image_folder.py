@@ -89,13 +89,6 @@ class ImageFolderReader:
     """`(images [n, S, S, C] float32 in [0, 1], labels [n] int32)`."""
     indices = np.asarray(indices, int).reshape(-1)
     images = [self._load(self.files[i]) for i in indices]
-    if image_size is not None:
-      images = [preprocessing.resize(x[None], image_size)[0] for x in images]
-    shapes = {x.shape for x in images}
-    require(len(shapes) <= 1, self._field,
-            f"images of different shapes {sorted(shapes)[:2]}; give an "
-            "image_size to resize them")
-    if not images:
-      return (np.zeros((0, 1, 1, self._channels), np.float32),
-              np.zeros(0, np.int32))
-    return np.stack(images), self.labels[indices]
+    return (preprocessing.stack_images(images, image_size, self.name,
+                                       self._field, self._channels),
+            self.labels[indices])

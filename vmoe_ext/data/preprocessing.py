@@ -47,6 +47,27 @@ def resize(images: np.ndarray, image_size: int) -> np.ndarray:
   return np.einsum("pw,nowc->nopc", ww, out).astype(np.float32)
 
 
+def stack_images(images: Sequence[np.ndarray], image_size: int | None,
+                 name: str, field: str, channels: int = 1) -> np.ndarray:
+  """Stacks decoded images `[H_i, W_i, C]` into `[N, S, S, C]` float32.
+
+  With `image_size` each image is resized to a square of that side first
+  (images of different shapes are then fine); without it all images must
+  share one shape (a `ConfigError` naming `field` otherwise). An empty list
+  gives `[0, S or 1, S or 1, channels]`.
+  """
+  if not images:
+    side = image_size or 1
+    return np.zeros((0, side, side, channels), np.float32)
+  if image_size is not None:
+    return np.concatenate([resize(x[None], image_size) for x in images])
+  shapes = {x.shape for x in images}
+  require(len(shapes) <= 1, field,
+          f"{name} has images of different shapes (e.g. {sorted(shapes)[:2]}); "
+          "give an image size to resize them when reading")
+  return np.stack(images).astype(np.float32, copy=False)
+
+
 def _channel_stat(value: Stat, channels: int, field: str) -> np.ndarray:
   arr = np.asarray(value, np.float32).reshape(-1)
   require(arr.size in (1, channels), field,

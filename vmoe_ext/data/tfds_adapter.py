@@ -81,19 +81,6 @@ def _to_unit_float(image: np.ndarray, field: str) -> np.ndarray:
   return image.astype(np.float32)
 
 
-def _stack_images(images: Sequence[np.ndarray], image_size: int | None,
-                  name: str, field: str = "data.image_size") -> np.ndarray:
-  if image_size is not None:
-    return np.concatenate([preprocessing.resize(x[None], image_size)
-                           for x in images]) if images else np.zeros(
-                               (0, image_size, image_size, 1), np.float32)
-  shapes = {x.shape for x in images}
-  require(len(shapes) <= 1, field,
-          f"{name} has images of different shapes (e.g. {sorted(shapes)[:2]}); "
-          f"set {field} to resize them when reading")
-  return np.stack(images) if images else np.zeros((0, 1, 1, 1), np.float32)
-
-
 def _read_with_tensorflow(tfds, builder, split: str, num: int | None,
                           image_key: str, label_key: str, name: str,
                           prefix: str) -> tuple[list[np.ndarray], list[int]]:
@@ -212,8 +199,8 @@ class TfdsReader:
         images.append(_to_unit_float(example[image_key],
                                      f"{self._prefix}.image_key"))
         labels.append(int(example[label_key]))
-    return (_stack_images(images, image_size, self.name,
-                          f"{self._prefix}.image_size"),
+    return (preprocessing.stack_images(images, image_size, self.name,
+                                       f"{self._prefix}.image_size"),
             np.asarray(labels, np.int32).reshape(-1))
 
 

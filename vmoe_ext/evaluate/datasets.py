@@ -60,10 +60,11 @@ from vmoe_ext.errors import ConfigError, require
 from vmoe_ext.evaluate.corruption_metrics import (ALEXNET_ERRORS,
                                                   corruption_errors, mce,
                                                   normalized_corruption_errors)
-from vmoe_ext.evaluate.evaluator import Evaluator, markdown_table
+from vmoe_ext.evaluate.evaluator import Evaluator
 from vmoe_ext.evaluate.imagenet_subsets import (IMAGENET_A_CLASSES,
                                                 IMAGENET_R_CLASSES)
 from vmoe_ext.evaluate.metrics import mask_logits, ood_aupr, topk_accuracy
+from vmoe_ext.evaluate.report_parts import bar_chart, markdown_table
 from vmoe_ext.train.writers import MetricWriter, progress_bar
 
 KINDS = ("corrupted", "accuracy", "ood")
@@ -386,22 +387,38 @@ def evaluate_corrupted(ctx: _Context, name: str, entry: Mapping[str, Any],
   return out
 
 
-def _plot_corrupted(result: Mapping[str, Any], title: str, path: str) -> None:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  names = list(result["errors"])
-  fig, ax = plt.subplots(figsize=(10, 3.5))
-  values = [result["ce"][n] if result["normalised"] and n in result["ce"]
-            else result["errors"][n] for n in names]
-  ax.bar(np.arange(len(names)), values)
-  ax.set_xticks(np.arange(len(names)), names, rotation=45, ha="right")
-  ax.set(ylabel="CE (error / AlexNet error)" if result["normalised"]
-         else "error (mean over severities)", title=title)
-  fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
+def _report_corrupted(r: Mapping[str, Any], name: str,
+                      severities: Sequence[int], writer: MetricWriter,
+                      step: int, workdir: str) -> str:
+  """Writes `corrupted/NAME` metrics and the PNG; returns the report section."""
+  table, ce = r["table"], r.get("ce", {})
+  metrics = {"mean_corruption_error": r["mean_corruption_error"],
+             "num_examples": r["num_examples"]}
+  for c in table:
+    metrics[f"{c}/error"] = r["errors"][c]
+    for s in severities:
+      metrics[f"{c}/s{s}/accuracy"] = table[c][s]
+  if r["normalised"]:
+    metrics["mce"] = r["mce"]
+    metrics.update({f"{c}/ce": v for c, v in ce.items()})
+  writer.write(step, f"corrupted/{name}", metrics)
+  png = f"corrupted_{name}.png"
+  bar_chart(ce if r["normalised"] else r["errors"],
+            os.path.join(workdir, png), title=name,
+            ylabel="CE (error / AlexNet error)" if r["normalised"]
+            else "error (mean over severities)")
+  summary = (f"ImageNet-C mCE (errors normalised by AlexNet's): "
+             f"**{r['mce']:.4f}**; unnormalised mean corruption error "
+             f"{r['mean_corruption_error']:.4f}." if r["normalised"] else
+             f"Mean corruption error (unnormalised, no AlexNet baseline "
+             f"for this set): **{r['mean_corruption_error']:.4f}**.")
+  header = (["corruption"] + [f"s{s} acc" for s in severities] + ["error"]
+            + (["CE"] if r["normalised"] else []))
+  body = [[c] + [table[c][s] for s in severities] + [r["errors"][c]]
+          + ([ce.get(c, "-")] if r["normalised"] else []) for c in table]
+  return (f"## Corrupted dataset `{name}`\n\n{r['num_examples']} images per "
+          f"(corruption, severity). {summary}\n\n"
+          + markdown_table(header, body) + f"\n\n![{name}]({png})")
 
 
 def evaluate_datasets(evaluator: Evaluator, test: ArrayDataset,
@@ -429,33 +446,8 @@ def evaluate_datasets(evaluator: Evaluator, test: ArrayDataset,
                           m["chance_aupr"]])
     else:
       r = evaluate_corrupted(ctx, name, entry, f)
-      table, severities = r["table"], entry["severities"]
-      metrics = {"mean_corruption_error": r["mean_corruption_error"],
-                 "num_examples": r["num_examples"]}
-      for c in table:
-        metrics[f"{c}/error"] = r["errors"][c]
-        for s in severities:
-          metrics[f"{c}/s{s}/accuracy"] = table[c][s]
-      if r["normalised"]:
-        metrics["mce"] = r["mce"]
-        metrics.update({f"{c}/ce": v for c, v in r["ce"].items()})
-      writer.write(step, f"corrupted/{name}", metrics)
-      png = f"corrupted_{name}.png"
-      _plot_corrupted(r, name, os.path.join(workdir, png))
-      summary = (f"ImageNet-C mCE (errors normalised by AlexNet's): "
-                 f"**{r['mce']:.4f}**; unnormalised mean corruption error "
-                 f"{r['mean_corruption_error']:.4f}." if r["normalised"] else
-                 f"Mean corruption error (unnormalised, no AlexNet baseline "
-                 f"for this set): **{r['mean_corruption_error']:.4f}**.")
-      header = (["corruption"] + [f"s{s} acc" for s in severities]
-                + ["error"] + (["CE"] if r["normalised"] else []))
-      body = [[c] + [table[c][s] for s in severities] + [r["errors"][c]]
-              + ([r["ce"][c]] if r["normalised"] and c in r["ce"] else
-                 ["-"] if r["normalised"] else []) for c in table]
-      sections.append(
-          f"## Corrupted dataset `{name}`\n\n{r['num_examples']} images per "
-          f"(corruption, severity). {summary}\n\n"
-          + markdown_table(header, body) + f"\n\n![{name}]({png})")
+      sections.append(_report_corrupted(r, name, entry["severities"], writer,
+                                        step, workdir))
   if rows["accuracy"]:
     sections.append(
         "## Accuracy on evaluation datasets\n\nLogits restricted to the "

@@ -7,7 +7,7 @@ always runs deterministically (no router noise, no dropout).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional
 
 import flax.linen as nn
 import jax
@@ -91,13 +91,3 @@ def clean_accuracy(evaluator: Evaluator, dataset: ArrayDataset,
   """Top-1 accuracy of `evaluator` on every example of `dataset`."""
   logits, labels = evaluator.predict(ArrayReader(dataset), batch_size)
   return float(np.mean(logits.argmax(-1) == labels)) if len(labels) else 0.0
-
-
-def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]
-                   ) -> str:
-  """A markdown table; floats are written with 4 decimals."""
-  fmt = lambda v: f"{v:.4f}" if isinstance(v, float) else str(v)
-  lines = ["| " + " | ".join(header) + " |",
-           "|" + "---|" * len(header)]
-  lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
-  return "\n".join(lines)

@@ -28,9 +28,9 @@ from vmoe_ext.data.corruptions import CORRUPTIONS, corrupt
 from vmoe_ext.errors import ConfigError, require
 from vmoe_ext.evaluate.corruption_metrics import corruption_errors
 from vmoe_ext.evaluate.datasets import check_datasets, evaluate_datasets
-from vmoe_ext.evaluate.evaluator import (Evaluator, clean_accuracy,
-                                         markdown_table)
+from vmoe_ext.evaluate.evaluator import Evaluator, clean_accuracy
 from vmoe_ext.evaluate.metrics import routing_change_rate
+from vmoe_ext.evaluate.report_parts import bar_chart, markdown_table
 from vmoe_ext.train.writers import MetricWriter, progress_bar
 
 DEFAULTS: dict[str, Any] = {
@@ -163,22 +163,6 @@ def _plot_sweep(eps: Sequence[float], acc: Sequence[float],
   plt.close(fig)
 
 
-def _plot_corruptions(per_corruption: Mapping[str, float], path: str) -> None:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  names = list(per_corruption)
-  fig, ax = plt.subplots(figsize=(10, 3.5))
-  ax.bar(np.arange(len(names)), [per_corruption[n] for n in names])
-  ax.set_xticks(np.arange(len(names)), names, rotation=45, ha="right")
-  ax.set(ylabel="accuracy (mean over severities)", ylim=(0, 1),
-         title="Corruption robustness")
-  fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
-
-
 def evaluate_robustness(model: nn.Module, variables: Mapping[str, Any],
                         test: ArrayDataset,
                         data_config: ml_collections.ConfigDict,
@@ -270,7 +254,8 @@ def evaluate_robustness(model: nn.Module, variables: Mapping[str, Any],
         "mean_corruption_error": errors["mean_corruption_error"],
         "num_examples": len(subset)})
     path = os.path.join(workdir, "corruptions.png")
-    _plot_corruptions(per_corruption, path)
+    bar_chart(per_corruption, path, ylabel="accuracy (mean over severities)",
+              title="Corruption robustness", ylim=(0, 1))
     rows = [[n] + [table[n][s] for s in severities] + [per_corruption[n]]
             for n in names]
     sections.append(
@@ -279,8 +264,9 @@ def evaluate_robustness(model: nn.Module, variables: Mapping[str, Any],
         f"{len(subset)} test images. Mean corruption error (unnormalised; "
         "no AlexNet baseline for this dataset): "
         f"{errors['mean_corruption_error']:.4f}.\n\n"
-        + markdown_table(["corruption"] + [f"s{s}" for s in severities] + ["mean"],
-                 rows) + "\n\n![corruptions](corruptions.png)")
+        + markdown_table(["corruption"] + [f"s{s}" for s in severities]
+                         + ["mean"], rows)
+        + "\n\n![corruptions](corruptions.png)")
   if cfg["datasets"]:
     sections += evaluate_datasets(
         evaluator, test, data_config, cfg["datasets"], batch_size=batch_size,
