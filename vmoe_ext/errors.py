@@ -1,16 +1,58 @@
-"""Configuration errors raised before anything is traced or compiled."""
+"""Configuration errors raised before anything is traced or compiled.
+
+Every `ConfigError` names the offending field by its full dotted path as the
+user wrote it (`model.moe.router.num_selected`). Components validate their own
+fields with paths relative to themselves (`num_selected`); whoever builds a
+component from a config section wraps the build in `field_scope("model.moe.
+router")`, which prefixes the path of any `ConfigError` raised inside. Errors
+that are not about the config (a wrong label shape handed to a metric) are
+plain `ValueError`/`TypeError`s, never `ConfigError`s.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 
 class ConfigError(ValueError):
-  """An invalid configuration value; the message names the offending field."""
+  """An invalid configuration value; the message names the offending field.
+
+  Attributes:
+    field: the full dotted path of the field (`model.moe.num_experts`).
+    reason: the message without the field.
+  """
 
   def __init__(self, field: str, message: str):
     self.field = field
+    self.reason = message
     super().__init__(f"{field}: {message}")
+
+
+def join_path(prefix: str, field: str) -> str:
+  """`join_path("model.moe", "router.name") == "model.moe.router.name"`.
+
+  A field already starting with the prefix is left alone, so a scope applied
+  twice does not repeat it.
+  """
+  if not prefix:
+    return field
+  if not field:
+    return prefix
+  if field == prefix or field.startswith(prefix + ".") or field.startswith(
+      prefix + "["):
+    return field
+  sep = "" if field.startswith("[") else "."
+  return f"{prefix}{sep}{field}"
+
+
+@contextlib.contextmanager
+def field_scope(prefix: str) -> Iterator[None]:
+  """Prefixes the field of every `ConfigError` raised inside with `prefix`."""
+  try:
+    yield
+  except ConfigError as e:
+    raise ConfigError(join_path(prefix, e.field), e.reason) from e
 
 
 def require(condition: Any, field: str, message: str) -> None:
