@@ -32,18 +32,23 @@ class ConfigError(ValueError):
 def join_path(prefix: str, field: str) -> str:
   """`join_path("model.moe", "router.name") == "model.moe.router.name"`.
 
-  A field already starting with the prefix is left alone, so a scope applied
-  twice does not repeat it.
+  Where the field already starts with the last parts of the prefix they are
+  merged (`join_path("model.moe", "moe.group_size") == "model.moe.group_size"`),
+  so a scope applied twice, or a component that names its own section, does
+  not repeat a part.
   """
   if not prefix:
     return field
   if not field:
     return prefix
-  if field == prefix or field.startswith(prefix + ".") or field.startswith(
-      prefix + "["):
-    return field
-  sep = "" if field.startswith("[") else "."
-  return f"{prefix}{sep}{field}"
+  if field.startswith("["):
+    return prefix + field
+  head = prefix.split(".")
+  tail = field.split(".")
+  for n in range(min(len(head), len(tail)), 0, -1):
+    if head[-n:] == [t.split("[")[0] for t in tail[:n - 1]] + [tail[n - 1]]:
+      return ".".join(head[:-n] + tail)
+  return f"{prefix}.{field}"
 
 
 @contextlib.contextmanager
