@@ -3,16 +3,36 @@
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 from vmoe_ext.errors import require
+
+ROUNDINGS = ("exact", "vmoe")
+# multiple_of=None: C's round-up multiple per mode (vmoe's dispatchers default
+# to capacity_multiple_of=4).
+DEFAULT_MULTIPLE = {"exact": 1, "vmoe": 4}
 
 
 def compute_capacity(group_size: int,
                      num_selected: int,
                      capacity_factor: float,
                      num_experts: int,
-                     multiple_of: int = 1) -> int:
+                     multiple_of: Optional[int] = None,
+                     rounding: str = "exact") -> int:
   """Returns `C = ceil(S * K * cf / E)`, rounded up to a multiple of `multiple_of`.
+
+  Two ways to take the ceiling (`rounding`):
+
+  * "exact" (default): the ceiling of the real product. The float product is
+    first rounded to 9 decimals, so float noise does not add a slot
+    (S=100, K=1, cf=1.1, E=10: `110.00000000000001 / 10` gives C = 11), and C
+    is at least 1. `multiple_of` defaults to 1 (C untouched).
+  * "vmoe": google-research/vmoe's `vmoe.moe.compute_capacity`, called by its
+    dispatchers with `num_tokens = S * K`: `ceil((S * K) * cf / E)` of the raw
+    float product (float noise does add a slot: the case above gives 12), then
+    rounded up to a multiple of `multiple_of`, which defaults to vmoe's
+    `capacity_multiple_of=4`. S=800, K=2, cf=1.1, E=8: `1760.0000000000002 / 8`
+    gives 221, then C = 224 (exact: 220).
 
   Args:
     group_size: S, tokens per group.
@@ -20,8 +40,11 @@ def compute_capacity(group_size: int,
     capacity_factor: cf > 0; cf = 1 gives exactly enough slots for perfectly
       balanced routing.
     num_experts: E.
-    multiple_of: round C up to a multiple of this (vmoe uses 4; default 1
-      leaves C untouched). Rounding is the only change ever made to C.
+    multiple_of: round C up to a multiple of this; None: the `rounding`
+      mode's default (1 for "exact", 4 for "vmoe"). Rounding up to the
+      multiple (and "exact"'s minimum of 1) are the only changes made to the
+      ceiling.
+    rounding: "exact" or "vmoe" (above).
 
   Raises:
     ConfigError naming the field when an argument is out of range.
@@ -36,9 +59,20 @@ def compute_capacity(group_size: int,
           f"K={num_selected} must be <= num_experts E={num_experts}")
   require(capacity_factor is not None and capacity_factor > 0,
           "capacity_factor", f"must be > 0, got {capacity_factor!r}")
+  require(rounding in ROUNDINGS, "capacity_rounding",
+          f"must be one of {ROUNDINGS}, got {rounding!r}")
+  if multiple_of is None:
+    multiple_of = DEFAULT_MULTIPLE[rounding]
   require(isinstance(multiple_of, int) and multiple_of > 0,
           "capacity_multiple", f"must be a positive integer, got {multiple_of!r}")
-  # Round away float noise (e.g. 1.25 * 8 = 10.000000000000002) before ceil.
-  raw = round(group_size * num_selected * capacity_factor / num_experts, 9)
-  capacity = max(1, math.ceil(raw))
+  if rounding == "vmoe":
+    capacity = math.ceil(group_size * num_selected * capacity_factor
+                         / num_experts)
+    # vmoe raises rather than clamps (only reachable by float underflow).
+    require(capacity >= 1, "capacity_factor",
+            f"{capacity_factor!r} gives capacity {capacity} < 1")
+  else:
+    # Round away float noise (e.g. 100 * 1.1 = 110.00000000000001) before ceil.
+    raw = round(group_size * num_selected * capacity_factor / num_experts, 9)
+    capacity = max(1, math.ceil(raw))
   return -(-capacity // multiple_of) * multiple_of
