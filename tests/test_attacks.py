@@ -311,6 +311,108 @@ def test_attacks_on_tiny_vmoe_keep_batching():
   assert seen == {x.shape}
 
 
+# --- Auxiliary loss in the objective (vmoe's attack_auxiliary_loss) ---------
+
+
+def _tiny_vmoe(importance_loss_weight=1.0, b=4, seed=0):
+  """A 1-layer V-MoE `[b, 4, 4, 1] -> [b, C]` with random parameters, and
+  `apply(z) -> (logits, metrics)` (deterministic)."""
+  model = build_model(dict(
+      name="vit_moe", num_classes=C, patch_size=(2, 2), hidden_size=8,
+      num_layers=1, num_heads=2, mlp_dim=8,
+      moe=dict(every=1, num_experts=2, group_size=5 * 2,
+               router=dict(name="noisy_topk", num_selected=1,
+                           importance_loss_weight=importance_loss_weight))))
+  shapes = jax.eval_shape(model.init, jax.random.key(0), _images(0, b=b))
+  rng = np.random.default_rng(seed)
+  variables = jax.tree.map(
+      lambda s: jnp.asarray(0.5 * rng.normal(size=s.shape), s.dtype), shapes)
+  return model, variables
+
+
+def test_pgd_auxiliary_loss_gradient_is_grad_of_ce_plus_aux():
+  """On: the step follows `grad(mean CE + mean aux)`, vmoe's objective; off
+  (the default): `grad(mean CE)`, which differs since aux depends on x."""
+  model, variables = _tiny_vmoe()
+  x, y = _images(20, b=4), _labels(20, b=4)
+
+  def apply(z):
+    logits, metrics = model.apply(variables, z, deterministic=True)
+    return logits, metrics["auxiliary_loss"]
+
+  def hand_ce(z):
+    return jnp.mean(attacks.cross_entropy(apply(z)[0], y))
+
+  def hand_ce_aux(z):
+    logits, aux = apply(z)
+    return jnp.mean(attacks.cross_entropy(logits, y)) + jnp.mean(aux)
+
+  assert float(jnp.abs(apply(x)[1])) > 1e-3
+  obj = attacks.projected_gradient.objective
+  grad_on = jax.grad(obj, argnums=1)(apply, x, y, False, True)
+  grad_off = jax.grad(obj, argnums=1)(lambda z: apply(z)[0], x, y, False)
+  chex.assert_trees_all_close(grad_on, jax.grad(hand_ce_aux)(x), atol=1e-6)
+  chex.assert_trees_all_close(grad_off, jax.grad(hand_ce)(x), atol=1e-6)
+  assert float(jnp.max(jnp.abs(grad_on - grad_off))) > 1e-4
+  # Targeted: the CE term flips, the auxiliary loss is still ascended.
+  grad_t = jax.grad(obj, argnums=1)(apply, x, y, True, True)
+  chex.assert_trees_all_close(
+      grad_t, jax.grad(lambda z: hand_ce_aux(z) - 2 * hand_ce(z))(x),
+      atol=1e-6)
+
+  # The attacks themselves: vmoe's loop `x + eps/steps * sign(grad J)`.
+  eps, steps = 0.1, 2
+  expected = {True: x, False: x}
+  for aux, fn in ((True, hand_ce_aux), (False, hand_ce)):
+    for _ in range(steps):
+      expected[aux] = expected[aux] + eps / steps * jnp.sign(
+          jax.grad(fn)(expected[aux]))
+  for aux in (True, False):
+    fn = apply if aux else (lambda z: apply(z)[0])
+    got = attacks.pgd(fn, x, y, eps=eps, steps=steps, vmoe_compatible=True,
+                      include_auxiliary_loss=aux)
+    chex.assert_trees_all_close(got, expected[aux], atol=1e-6)
+  assert not np.allclose(expected[True], expected[False])
+  fgsm_aux = attacks.make_attack(dict(
+      name="fgsm", eps=0.1, include_auxiliary_loss=True))(apply, x, y)
+  chex.assert_trees_all_close(fgsm_aux, jnp.clip(
+      x + 0.1 * jnp.sign(jax.grad(hand_ce_aux)(x)), 0.0, 1.0), atol=1e-6)
+
+
+def test_evaluator_passes_auxiliary_loss_to_the_attack():
+  from vmoe_ext.evaluate.evaluator import Evaluator  # pylint: disable=g-import-not-at-top
+  model, variables = _tiny_vmoe()
+  ev = Evaluator(model, variables, mean=0.5, std=0.25)
+  x, y = _images(21, b=4), _labels(21, b=4)
+  key = jax.random.key(0)
+  cfg = dict(name="pgd", eps=0.1, steps=2, vmoe_compatible=True)
+  on = ev.attack({**cfg, "include_auxiliary_loss": True})(x, y, key)
+  off = ev.attack(cfg)(x, y, key)
+  chex.assert_trees_all_close(on, attacks.pgd(
+      ev.logits_and_aux_fn, x, y, eps=0.1, steps=2, vmoe_compatible=True,
+      include_auxiliary_loss=True), atol=1e-6)
+  chex.assert_trees_all_close(off, attacks.pgd(
+      ev.logits_fn, x, y, eps=0.1, steps=2, vmoe_compatible=True), atol=1e-6)
+  assert not np.allclose(on, off)
+  logits, aux = ev.logits_and_aux_fn(x)
+  np.testing.assert_allclose(logits, ev.logits_fn(x), atol=1e-6)
+  assert aux.shape == ()
+
+
+def test_auxiliary_loss_flag_and_logits_fn_output_must_agree():
+  x, y = _images(22), _labels(22)
+  pair_fn = lambda z: (logits_fn(z), jnp.zeros(()))
+  for fn, aux in ((pair_fn, False), (logits_fn, True)):
+    with pytest.raises(ConfigError) as e:
+      attacks.pgd(fn, x, y, eps=0.1, steps=1, random_start=False,
+                  include_auxiliary_loss=aux)
+    assert e.value.field == "attack.include_auxiliary_loss"
+  # A zero auxiliary loss leaves the attack unchanged.
+  np.testing.assert_array_equal(
+      attacks.fgsm(pair_fn, x, y, eps=0.1, include_auxiliary_loss=True),
+      attacks.fgsm(logits_fn, x, y, eps=0.1))
+
+
 # --- Registry and errors ----------------------------------------------------
 
 
@@ -346,6 +448,13 @@ def test_registry_names_and_make_attack_defaults():
     (dict(name="spsa", eps=0.1, learning_rate=-1.0), "attack.learning_rate"),
     (dict(name="spsa", eps=0.1, samples=6, sample_chunk=4),
      "attack.sample_chunk"),
+    (dict(name="pgd", eps=0.1, steps=3, include_auxiliary_loss=1),
+     "attack.include_auxiliary_loss"),
+    (dict(name="fgsm", eps=0.1, include_auxiliary_loss="yes"),
+     "attack.include_auxiliary_loss"),
+    # SPSA's margin loss is per example: no batch-level auxiliary term.
+    (dict(name="spsa", eps=0.1, include_auxiliary_loss=True),
+     "attack.include_auxiliary_loss"),
 ])
 def test_make_attack_errors_name_the_field(config, field):
   with pytest.raises(ConfigError) as e:

@@ -7,6 +7,12 @@ Conventions of the whole package (DESIGN §4.9):
 * `logits_fn(x [B, ...]) -> logits [B, C]` is a pure function the attack
   closes over; it must run the model deterministically (no router noise, no
   dropout), e.g. `lambda x: model.apply(variables, x, deterministic=True)[0]`.
+* Auxiliary loss (FGSM, PGD with `include_auxiliary_loss=True`): `logits_fn`
+  returns `(logits [B, C], auxiliary_loss)` instead, the model's auxiliary
+  (load-balancing) loss in the same deterministic call (any shape, e.g. `[]`
+  or per group `[G]`; its mean is used), and the attack ascends
+  `J + mean(auxiliary_loss)`, as google-research/vmoe's adversarial attacks
+  with `loss.attack_auxiliary_loss=True`. Off by default.
 * Batching: every call of `logits_fn` made by an attack is on a batch of
   exactly the same `B` images (the attacked batch, never a concatenation of
   several copies). Capacity-based MoE routing makes an image's output depend
@@ -31,7 +37,8 @@ import jax.numpy as jnp
 from vmoe_ext.errors import require
 
 Array = jax.Array
-LogitsFn = Callable[[Array], Array]
+# `x -> logits`, or `x -> (logits, auxiliary_loss)` (see the module docstring).
+LogitsFn = Callable[[Array], Any]
 NORMS = ("linf", "l2")
 # Floor of per-example gradient / perturbation norms (as foolbox): avoids 0/0.
 NORM_FLOOR = 1e-12
@@ -42,6 +49,28 @@ def cross_entropy(logits: Array, labels: Array) -> Array:
   logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
   return -jnp.take_along_axis(logp, labels[:, None].astype(jnp.int32),
                               axis=-1)[:, 0]
+
+
+def split_output(out: Any, include_auxiliary_loss: bool
+                 ) -> tuple[Array, Optional[Array]]:
+  """`(logits, mean auxiliary loss or None)` of a `logits_fn` output.
+
+  With `include_auxiliary_loss` the output must be `(logits, auxiliary_loss)`;
+  without it, a plain `logits` array (a pair raises: the flag was forgotten).
+
+  Raises:
+    ConfigError naming "attack.include_auxiliary_loss" on a mismatch.
+  """
+  pair = isinstance(out, (tuple, list)) and len(out) == 2
+  if include_auxiliary_loss:
+    require(pair, "attack.include_auxiliary_loss",
+            "True needs logits_fn(x) -> (logits, auxiliary_loss), got "
+            f"{type(out).__name__}")
+    return out[0], jnp.mean(jnp.asarray(out[1], jnp.float32))
+  require(not pair, "attack.include_auxiliary_loss",
+          "logits_fn returned a pair; set include_auxiliary_loss=True to "
+          "attack (logits, auxiliary_loss), or return the logits only")
+  return out, None
 
 
 def margin_loss(logits: Array, labels: Array) -> Array:
@@ -200,6 +229,12 @@ def check_inputs(x: Array, labels: Array) -> None:
   require(jnp.shape(labels) == jnp.shape(x)[:1], "attack.labels",
           f"must have shape [B] = {jnp.shape(x)[:1]}, got "
           f"{jnp.shape(labels)}")
+
+
+def check_bool(value: Any, field: str) -> None:
+  """`value` must be a Python bool (static)."""
+  require(isinstance(value, bool), field, f"must be True or False, got "
+          f"{value!r}")
 
 
 def check_key(key: Optional[Array], needed: bool, why: str) -> None:

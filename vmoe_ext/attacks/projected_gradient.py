@@ -1,7 +1,9 @@
 """Projected gradient descent (Madry et al. 2018), Linf and L2 (DESIGN §4.9).
 
 One PGD step on the objective `J(x) = mean_b CE(logits_fn(x)[b], labels[b])`
-(targeted: `J = -mean_b CE(., targets)`, i.e. CE to the targets is minimised):
+(targeted: `J = -mean_b CE(., targets)`, i.e. CE to the targets is minimised;
+with `include_auxiliary_loss=True`, `J + mean(aux(x))`, the model's auxiliary
+loss ascended in both cases, as vmoe's `attack_auxiliary_loss`, see `base`):
 
     x <- clip_range(proj_eps(x + step_size * dir(grad_x J)))
 
@@ -34,17 +36,22 @@ DEFAULT_STEP_FACTOR = 2.5
 
 
 def objective(logits_fn: base.LogitsFn, x: Array, labels: Array,
-              targeted: bool) -> Array:
-  """Scalar `J(x)` the attack ascends: mean CE (targeted: minus mean CE)."""
-  loss = jnp.mean(base.cross_entropy(logits_fn(x), labels))
-  return -loss if targeted else loss
+              targeted: bool, include_auxiliary_loss: bool = False) -> Array:
+  """Scalar `J(x)` the attack ascends: mean CE (targeted: minus mean CE),
+  plus the mean auxiliary loss with `include_auxiliary_loss`."""
+  logits, aux = base.split_output(logits_fn(x), include_auxiliary_loss)
+  loss = jnp.mean(base.cross_entropy(logits, labels))
+  loss = -loss if targeted else loss
+  return loss if aux is None else loss + aux
 
 
 def ascent_step(logits_fn: base.LogitsFn, x: Array, x0: Array, labels: Array,
                 *, step_size: Any, eps: Any, norm: str, targeted: bool,
-                clip_range: Optional[tuple[Any, Any]]) -> Array:
+                clip_range: Optional[tuple[Any, Any]],
+                include_auxiliary_loss: bool = False) -> Array:
   """One projected steepest-ascent step from `x` (ball around `x0`)."""
-  grad = jax.grad(objective, argnums=1)(logits_fn, x, labels, targeted)
+  grad = jax.grad(objective, argnums=1)(logits_fn, x, labels, targeted,
+                                        include_auxiliary_loss)
   x = x + step_size * base.normalize_gradient(grad, norm).astype(x.dtype)
   x = base.project(x, x0, eps, norm)
   if clip_range is not None:
@@ -56,11 +63,13 @@ def pgd(logits_fn: base.LogitsFn, x: Array, labels: Array, *, eps: float,
         steps: int, step_size: Optional[float] = None, norm: str = "linf",
         random_start: bool = True, restarts: int = 1, targeted: bool = False,
         key: Optional[Array] = None, clip_min: float = 0.0,
-        clip_max: float = 1.0, vmoe_compatible: bool = False) -> Array:
+        clip_max: float = 1.0, vmoe_compatible: bool = False,
+        include_auxiliary_loss: bool = False) -> Array:
   """PGD attack; returns `x_adv [B, ...]` (same shape and dtype as `x`).
 
   Args:
-    logits_fn: `x [B, ...] -> logits [B, C]`, deterministic (see `base`).
+    logits_fn: `x [B, ...] -> logits [B, C]`, deterministic (see `base`);
+      `-> (logits, auxiliary_loss)` with `include_auxiliary_loss`.
     x: `[B, ...]` clean images in `[clip_min, clip_max]`.
     labels: `[B]` int true labels (targeted: target labels).
     eps: radius of the Linf / L2 ball, in the units of `x`; >= 0.
@@ -85,13 +94,18 @@ def pgd(logits_fn: base.LogitsFn, x: Array, labels: Array, *, eps: float,
       no random start, no clip to the valid range (the eps projection is kept;
       with that step it is a no-op up to float rounding). `step_size` must be
       None; `random_start` and `restarts` are ignored.
+    include_auxiliary_loss: ascend `J + mean(auxiliary_loss)` (vmoe's
+      `attack_auxiliary_loss`; combine with `vmoe_compatible` to reproduce
+      its attack). Restarts are still ranked by per-example CE (the
+      auxiliary loss is a batch-level term).
 
   Raises:
     ConfigError: invalid argument; the message names the field ("attack.eps").
   """
   _validate(eps=eps, steps=steps, step_size=step_size, norm=norm,
             restarts=restarts, clip_min=clip_min, clip_max=clip_max,
-            vmoe_compatible=vmoe_compatible)
+            vmoe_compatible=vmoe_compatible,
+            include_auxiliary_loss=include_auxiliary_loss)
   base.check_inputs(x, labels)
   if vmoe_compatible:
     step = eps / steps if steps else 0.0
@@ -103,14 +117,16 @@ def pgd(logits_fn: base.LogitsFn, x: Array, labels: Array, *, eps: float,
     restarts = restarts if use_random else 1
   base.check_key(key, use_random, "for random_start=True")
   static = dict(steps=steps, norm=norm, use_random=use_random,
-                restarts=restarts, targeted=bool(targeted), clip=clip)
+                restarts=restarts, targeted=bool(targeted), clip=clip,
+                aux=include_auxiliary_loss)
   return base.run_jitted(_pgd, logits_fn, static, x, labels, key, eps, step,
                          clip_min, clip_max)
 
 
 def _validate(*, eps, steps, step_size, norm, restarts, clip_min, clip_max,
-              vmoe_compatible) -> None:
+              vmoe_compatible, include_auxiliary_loss=False) -> None:
   base.check_eps(eps)
+  base.check_bool(include_auxiliary_loss, "attack.include_auxiliary_loss")
   base.check_int(steps, "attack.steps", 0)
   require(norm in base.NORMS, "attack.norm",
           f"must be one of {base.NORMS}, got {norm!r}")
@@ -123,13 +139,14 @@ def _validate(*, eps, steps, step_size, norm, restarts, clip_min, clip_max,
 
 
 def _pgd(logits_fn, x0, labels, key, eps, step, clip_min, clip_max, *, steps,
-         norm, use_random, restarts, targeted, clip):
+         norm, use_random, restarts, targeted, clip, aux):
   clip_range = (clip_min, clip_max) if clip else None
 
   def run(start):
     step_fn = functools.partial(
         ascent_step, logits_fn, x0=x0, labels=labels, step_size=step, eps=eps,
-        norm=norm, targeted=targeted, clip_range=clip_range)
+        norm=norm, targeted=targeted, clip_range=clip_range,
+        include_auxiliary_loss=aux)
     return jax.lax.fori_loop(0, steps, lambda _, x: step_fn(x), start)
 
   def start_from(k):
@@ -144,7 +161,7 @@ def _pgd(logits_fn, x0, labels, key, eps, step, clip_min, clip_max, *, steps,
   def restart(best, k):
     best_x, best_obj, best_success = best
     x = run(start_from(k))
-    logits = logits_fn(x)
+    logits, _ = base.split_output(logits_fn(x), aux)
     obj = base.cross_entropy(logits, labels)
     obj = -obj if targeted else obj
     success = base.is_success(logits, labels, targeted)

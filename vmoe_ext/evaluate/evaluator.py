@@ -40,6 +40,13 @@ class Evaluator:
     return self.model.apply(self.variables, (x - self.mean) / self.std,
                             deterministic=True)[0]
 
+  def logits_and_aux_fn(self, x: Array) -> tuple[Array, Array]:
+    """`(logits, metrics["auxiliary_loss"])` of one deterministic call: the
+    `logits_fn` of attacks with `include_auxiliary_loss=True`."""
+    logits, metrics = self.model.apply(
+        self.variables, (x - self.mean) / self.std, deterministic=True)
+    return logits, metrics["auxiliary_loss"]
+
   def _forward_with_routing(self, x: Array):
     (logits, _), state = self.model.apply(
         self.variables, (x - self.mean) / self.std, deterministic=True,
@@ -54,12 +61,14 @@ class Evaluator:
     return self._forward(x)
 
   def attack(self, attack_config: Mapping[str, Any]) -> Callable:
-    """Jitted `(x, labels, key) -> x_adv` for an attack config."""
+    """Jitted `(x, labels, key) -> x_adv` for an attack config (with
+    `include_auxiliary_loss=True` the attack sees the auxiliary loss too)."""
     key = repr(sorted(attack_config.items()))
     if key not in self._attacks:
       attack = make_attack(dict(attack_config))
-      self._attacks[key] = jax.jit(
-          lambda x, y, k: attack(self.logits_fn, x, y, k))
+      fn = (self.logits_and_aux_fn
+            if attack_config.get("include_auxiliary_loss") else self.logits_fn)
+      self._attacks[key] = jax.jit(lambda x, y, k: attack(fn, x, y, k))
     return self._attacks[key]
 
   def predict(self, reader: ExampleReader, batch_size: int, *,
