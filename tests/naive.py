@@ -14,9 +14,10 @@ def gelu(x):
 
 def expert_mlp(params, e, v):
   """Expert e of `MlpExperts` params applied to one token `v[D]`."""
-  p = {k: np.asarray(a, np.float64) for k, a in params.items()}
-  h = gelu(v @ p["wi"][e] + p["bi"][e])
-  return h @ p["wo"][e] + p["bo"][e]
+  p = {f"{layer}/{k}": np.asarray(a, np.float64)
+       for layer, sub in params.items() for k, a in sub.items()}
+  h = gelu(v @ p["Dense_0/kernel"][e] + p["Dense_0/bias"][e])
+  return h @ p["Dense_1/kernel"][e] + p["Dense_1/bias"][e]
 
 
 def token_choice_kept(idx, valid, gates, num_experts, capacity,

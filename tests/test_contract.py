@@ -15,7 +15,7 @@ import pytest
 
 from vmoe_ext.models import build_model
 from vmoe_ext.moe.routing import TokenChoiceRouting
-from vmoe_ext.routers.base import Router
+from vmoe_ext.routers.base import Router, RouterOutput
 from vmoe_ext.routers.registry import ROUTERS
 
 
@@ -27,18 +27,18 @@ class FollowPreviousRouter(Router):
   """
 
   @nn.compact
-  def __call__(self, x, ctx, *, capacity, deterministic):
-    del capacity
+  def __call__(self, x, ctx, *, capacity, deterministic, update_state=False):
+    del capacity, deterministic
     g, s, _ = x.shape
     calls = self.variable("router_state", "calls", jnp.zeros, (), jnp.int32)
-    if not deterministic and not self.is_initializing():
+    if update_state:
       calls.value += 1
     if ctx.previous is None:
       idx = jnp.broadcast_to(jnp.arange(s) % self.num_experts, (g, s))
-    else:
-      idx = ctx.previous.expert_indices[..., 0]
+    else:  # Token-major [B, T, K] -> this layer's groups.
+      idx = ctx.previous.expert_indices[..., 0].reshape(g, s)
     routing = TokenChoiceRouting.create(idx[..., None], jnp.ones((g, s, 1)))
-    return routing, {"auxiliary_loss": jnp.zeros(())}
+    return RouterOutput(routing, {"auxiliary_loss": jnp.zeros(())})
 
 
 @pytest.fixture
@@ -59,6 +59,7 @@ def test_new_router_reads_context_and_keeps_state(follow_router):
   assert int(variables["router_state"]["encoderblock_2"]["Moe"]["router"]
              ["calls"]) == 0
   (_, _), state = model.apply(variables, images, deterministic=False,
+                              update_state=True,
                               mutable=["intermediates", "router_state"])
   sown = state["intermediates"]
   first = sown["encoderblock_0"]["Moe"]["selected_experts"][0]

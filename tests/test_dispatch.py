@@ -243,11 +243,13 @@ def test_unknown_dispatcher_is_an_error():
 def test_expert_init_modes():
   module = MlpExperts(num_experts=3, hidden_size=5)
   p = module.init(jax.random.key(0), jnp.zeros((3, 1, 4)))["params"]
-  assert not np.allclose(p["wi"][0], p["wi"][1])
+  assert not np.allclose(p["Dense_0"]["kernel"][0], p["Dense_0"]["kernel"][1])
   shared = MlpExperts(num_experts=3, hidden_size=5, init_mode="shared")
   p = shared.init(jax.random.key(0), jnp.zeros((3, 1, 4)))["params"]
-  np.testing.assert_array_equal(p["wi"][0], p["wi"][2])
-  np.testing.assert_array_equal(p["wo"][1], p["wo"][2])
+  np.testing.assert_array_equal(p["Dense_0"]["kernel"][0],
+                                p["Dense_0"]["kernel"][2])
+  np.testing.assert_array_equal(p["Dense_1"]["kernel"][1],
+                                p["Dense_1"]["kernel"][2])
   with pytest.raises(ConfigError, match="init_mode"):
     MlpExperts(num_experts=3, hidden_size=5, init_mode="copy")
 

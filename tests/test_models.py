@@ -119,11 +119,8 @@ def test_single_expert_moe_equals_the_dense_vit():
     for sub in ("Attention", "LayerNorm_0", "LayerNorm_1"):
       block[sub] = value[sub]
     mlp = value["Mlp"]
-    block["Moe"] = dict(block["Moe"], experts={
-        "wi": mlp["Dense_0"]["kernel"][None],
-        "bi": mlp["Dense_0"]["bias"][None],
-        "wo": mlp["Dense_1"]["kernel"][None],
-        "bo": mlp["Dense_1"]["bias"][None]})
+    block["Moe"] = dict(block["Moe"], Mlp=jax.tree.map(lambda a: a[None],
+                                                       mlp))
     moe_params[key] = block
   dense_logits, _ = dense.apply({"params": dense_params}, IMAGES)
   moe_logits, metrics = moe.apply({"params": moe_params}, IMAGES)
@@ -195,7 +192,7 @@ def test_moe_placement_errors(args, field):
      "moe.layers"),
     (_moe({"name": "what"}), "router.name"),
     (_moe({"name": "noisy_topk"}, capacity=4), "moe.capacity"),
-    (_moe({"name": "noisy_topk"}, stream={"name": "nesterov"}),
+    (dict(_moe({"name": "noisy_topk"}), stream={"name": "nesterov"}),
      "stream.name"),
     (dict(name="soft_moe_vit", **BASE,
           moe=dict(every=1, router={"name": "noisy_topk"})),

@@ -33,7 +33,7 @@ def _naive_layer(router_cfg, variables, x, layer, mutated, group_size, e):
   b, t, d = x.shape
   s = t if group_size is None else group_size
   xg = np.asarray(x).reshape(-1, s, d)
-  params = variables["params"]["experts"]
+  params = variables["params"]["Mlp"]
   name = router_cfg["name"]
   inter = mutated["intermediates"]
   if name == "noisy_topk":
@@ -100,9 +100,9 @@ def test_noise_std_is_noise_std_over_num_experts():
   params = jax.tree.map(jnp.zeros_like,
                         router.init(jax.random.key(0), x, RoutingContext(),
                                     capacity=s, deterministic=True))
-  routing, _ = router.apply(params, x, RoutingContext(), capacity=s,
-                            deterministic=False,
-                            rngs={"gating": jax.random.key(1)})
+  routing = router.apply(params, x, RoutingContext(), capacity=s,
+                         deterministic=False,
+                         rngs={"gating": jax.random.key(1)}).routing
   g = np.asarray(routing.gates)
   idx = np.asarray(routing.expert_indices)
   g0 = np.where(idx[..., 0] == 0, g[..., 0], g[..., 1])
@@ -110,8 +110,8 @@ def test_noise_std_is_noise_std_over_num_experts():
   expected = np.sqrt(2) * noise_std / e
   np.testing.assert_allclose(np.std(log_ratio), expected, rtol=0.05)
   # Deterministic: no noise at all.
-  routing, _ = router.apply(params, x, RoutingContext(), capacity=s,
-                            deterministic=True)
+  routing = router.apply(params, x, RoutingContext(), capacity=s,
+                         deterministic=True).routing
   np.testing.assert_allclose(routing.gates, 0.5, rtol=1e-6)
 
 

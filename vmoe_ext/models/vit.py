@@ -9,16 +9,17 @@ residual streams that look across layers stay pure functions.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping, Optional
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from vmoe_ext.errors import ConfigError, require
+from vmoe_ext.errors import ConfigError, field_scope, require
 from vmoe_ext.models.placement import resolve_moe_layers
+from vmoe_ext.moe.contract import RoutingContext
 from vmoe_ext.moe.layer import MoeLayer
-from vmoe_ext.routers.base import RoutingContext
 from vmoe_ext.routers.registry import ROUTERS
 from vmoe_ext.streams import STREAMS
 
@@ -34,14 +35,17 @@ MOE_DEFAULTS: dict[str, Any] = {
     "hidden_size": None,        # H of each expert (None: the model's mlp_dim)
     "group_size": None,         # S (None: one image per group)
     "capacity_factor": 1.0,     # cf
-    "capacity_multiple": 1,     # round C up to this multiple
+    "capacity_multiple": None,  # round C up to this multiple (None: 1 for
+                                # "exact" rounding, 4 for "vmoe")
+    "capacity_rounding": "exact",  # "exact" | "vmoe" (ceil of the raw float)
     "dispatcher": "indices",    # "indices" | "einsum"
     "batch_priority": False,    # BPR
     "dropout_rate": None,       # expert dropout (None: the model's)
     "expert_init": "independent",
+    "dispatch_dtype": None,     # None (float32) | "bfloat16"
     "router": {"name": "noisy_topk", "num_selected": 1},
-    "stream": {"name": "plain"},
 }
+DEFAULT_STREAM = {"name": "plain"}
 
 
 def moe_config(moe: Optional[Mapping[str, Any]]) -> Optional[dict[str, Any]]:
@@ -50,6 +54,9 @@ def moe_config(moe: Optional[Mapping[str, Any]]) -> Optional[dict[str, Any]]:
     return None
   moe = {k: (dict(v) if isinstance(v, Mapping) else v)
          for k, v in dict(moe).items()}
+  require("stream" not in moe, "moe.stream",
+          "the residual stream is chosen for the whole model: set "
+          "model.stream (e.g. {'name': 'plain'}) instead of model.moe.stream")
   unknown = sorted(set(moe) - set(MOE_DEFAULTS))
   if unknown:
     raise ConfigError(f"moe.{unknown[0]}", f"unknown field; known fields: "
@@ -77,20 +84,24 @@ class MlpBlock(nn.Module):
 class EncoderBlock(nn.Module):
   """Pre-LN block: `x + Attn(LN(x))`, then the MLP or MoE through the stream.
 
-  Dense blocks use the plain residual; MoE blocks use the configured stream,
-  whose state travels in `ctx.stream_state`.
+  The model's stream (`vmoe_ext.streams`) handles MoE blocks, and dense blocks
+  too when its `blocks == "all"`; other dense blocks use the plain residual
+  and pass the stream state through. The stream's state travels in
+  `ctx.stream_state`; each MoE block appends its `LayerRecord` to `ctx`.
   """
   num_heads: int
   mlp_dim: int
   dropout_rate: float = 0.0
   attention_dropout_rate: float = 0.0
   moe: Optional[Mapping[str, Any]] = None  # filled by `moe_config`
+  stream: Mapping[str, Any] = dataclasses.field(
+      default_factory=lambda: dict(DEFAULT_STREAM))
   dtype: Any = jnp.float32
 
   @nn.compact
   def __call__(self, x: Array, ctx: RoutingContext, *,
-               deterministic: bool = True) -> tuple[Array, RoutingContext,
-                                                     Optional[dict]]:
+               deterministic: bool = True, update_state: bool = False
+               ) -> tuple[Array, RoutingContext, Optional[dict]]:
     """x: `[B, T, D]` -> `[B, T, D]`, the updated context, MoE metrics."""
     y = nn.LayerNorm(name="LayerNorm_0", dtype=self.dtype)(x)
     y = nn.MultiHeadDotProductAttention(
@@ -99,40 +110,67 @@ class EncoderBlock(nn.Module):
     y = nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
     x = x + y
     norm = nn.LayerNorm(name="LayerNorm_1", dtype=self.dtype)
-    if self.moe is None:
-      mlp = MlpBlock(self.mlp_dim, self.dropout_rate, self.dtype, name="Mlp")
-      return x + mlp(norm(x), deterministic=deterministic), ctx, None
+    is_moe = self.moe is not None
+    if is_moe:
+      layer = build_moe_layer(self.moe, self.mlp_dim, self.dropout_rate,
+                              self.dtype, name="Moe")
+    else:
+      layer = MlpBlock(self.mlp_dim, self.dropout_rate, self.dtype,
+                       name="Mlp")
+    if not is_moe and STREAMS.build(self.stream,
+                                    parent=None).blocks != "all":
+      return x + layer(norm(x), deterministic=deterministic), ctx, None
 
-    moe_layer = build_moe_layer(self.moe, self.mlp_dim, self.dropout_rate,
-                                self.dtype, name="Moe")
-    stream = STREAMS.build(self.moe["stream"], parent=self, name="Stream")
+    primary_aux = []
 
-    def ffn(z: Array):
-      out, metrics, routing = moe_layer(norm(z), ctx,
-                                        deterministic=deterministic)
-      return out, (metrics, routing)
+    def ffn(z: Array, *, shift: Optional[Array] = None,
+            primary: bool = True) -> tuple[Array, Any]:
+      h = norm(z)
+      if shift is not None:
+        h = h + shift
+      if not is_moe:
+        f, aux = layer(h, deterministic=deterministic), None
+      else:
+        f, metrics, record = layer(h, ctx, deterministic=deterministic,
+                                   update_state=update_state, record=primary)
+        aux = (metrics, record)
+      if primary:
+        primary_aux.append(aux)
+      return f, aux
 
-    x, state, (metrics, routing) = stream(x, ffn, ctx.stream_state)
-    ctx = ctx.after_moe(routing).replace(stream_state=state)
-    return x, ctx, metrics
+    stream = STREAMS.build(self.stream, name="Stream")
+    x, state = stream(x, ffn, ctx.stream_state, ctx=ctx, is_moe=is_moe)
+    if len(primary_aux) != 1:
+      raise ValueError(
+          f"stream {type(stream).__name__} made {len(primary_aux)} primary "
+          "ffn calls in one block; the contract is exactly one (mark the "
+          "others primary=False)")
+    ctx = ctx.replace(stream_state=state)
+    if not is_moe:
+      return x, ctx, None
+    metrics, record = primary_aux[0]
+    return x, ctx.after_moe(record), metrics
 
 
 def build_moe_layer(moe: Mapping[str, Any], mlp_dim: int, dropout_rate: float,
                     dtype: Any, **module_kwargs: Any) -> MoeLayer:
   """The `MoeLayer` described by a filled `moe` config dict."""
-  router = ROUTERS.build(moe["router"], num_experts=moe["num_experts"],
-                         parent=None)
+  with field_scope("moe.router"):
+    router = ROUTERS.build(moe["router"], num_experts=moe["num_experts"],
+                           parent=None)
   return MoeLayer(
       router=router,
       hidden_size=moe["hidden_size"] or mlp_dim,
       group_size=moe["group_size"],
       capacity_factor=moe["capacity_factor"],
       capacity_multiple=moe["capacity_multiple"],
+      capacity_rounding=moe["capacity_rounding"],
       dispatcher=moe["dispatcher"],
       batch_priority=moe["batch_priority"],
       dropout_rate=(dropout_rate if moe["dropout_rate"] is None
                     else moe["dropout_rate"]),
       expert_init=moe["expert_init"],
+      dispatch_dtype=moe["dispatch_dtype"],
       dtype=dtype, **module_kwargs)
 
 
@@ -149,6 +187,11 @@ class VisionTransformerMoe(nn.Module):
     classifier: "token" (class token) or "gap" (global average pooling).
     dropout_rate / attention_dropout_rate: dropout rates.
     moe: None for a dense ViT, else a dict of `MOE_DEFAULTS` fields.
+    stream: the residual stream `{"name": ..., **fields}` (`vmoe_ext.streams`;
+      default plain), for the MoE blocks or, with `blocks="all"`, every block.
+    state_axis_name: the data-parallel axis name over which persistent router
+      state updates are averaged (None: no reduction), like BatchNorm's
+      `axis_name`.
 
   Calling it returns `(logits [B, num_classes], metrics)` where `metrics` has
   `auxiliary_loss` (sum over MoE layers, 0 for a dense model) and, per MoE
@@ -167,6 +210,8 @@ class VisionTransformerMoe(nn.Module):
   dropout_rate: float = 0.0
   attention_dropout_rate: float = 0.0
   moe: Optional[Mapping[str, Any]] = None
+  stream: Optional[Mapping[str, Any]] = None
+  state_axis_name: Optional[str] = None
   dtype: Any = jnp.float32
 
   def __post_init__(self):
@@ -183,15 +228,22 @@ class VisionTransformerMoe(nn.Module):
     moe = moe_config(self.moe)
     if moe is not None:
       # Validate everything now, before any tracing: placement, router, layer.
-      resolve_moe_layers(self.num_layers, moe["layers"], moe["every"],
-                         moe["last"])
+      layers = resolve_moe_layers(self.num_layers, moe["layers"],
+                                  moe["every"], moe["last"])
       require(isinstance(moe["num_experts"], int) and moe["num_experts"] > 0,
               "moe.num_experts",
               f"must be a positive integer, got {moe['num_experts']!r}")
-      build_moe_layer(moe, self.mlp_dim, self.dropout_rate, self.dtype,
-                      parent=None)
-      STREAMS.get(moe["stream"].get("name"))
+      layer = build_moe_layer(moe, self.mlp_dim, self.dropout_rate,
+                              self.dtype, parent=None)
+      require(not layer.router.needs_previous, "moe.router.name",
+              f"router {moe['router']['name']!r} reads the previous MoE "
+              f"layer's assignment, so it cannot route the first MoE layer "
+              f"(block {layers[0]})")
+    stream = dict(self.stream or DEFAULT_STREAM)
+    with field_scope("stream"):
+      STREAMS.build(stream, parent=None)
     object.__setattr__(self, "moe", moe)
+    object.__setattr__(self, "stream", stream)
     super().__post_init__()
 
   @property
@@ -202,8 +254,14 @@ class VisionTransformerMoe(nn.Module):
                               self.moe["every"], self.moe["last"])
 
   @nn.compact
-  def __call__(self, images: Array, *, deterministic: bool = True
-               ) -> tuple[Array, dict[str, Any]]:
+  def __call__(self, images: Array, *, deterministic: bool = True,
+               update_state: bool = False) -> tuple[Array, dict[str, Any]]:
+    """Logits `[B, classes]` and metrics of images `[B, H, W, C]`.
+
+    `deterministic`: no router noise, no dropout. `update_state`: let routers
+    update their persistent state (collection "router_state", which must then
+    be mutable); training steps set it, evaluation and attacks do not.
+    """
     b, h, w, _ = images.shape
     ph, pw = self.patch_size
     require(h % ph == 0 and w % pw == 0, "patch_size",
@@ -222,16 +280,19 @@ class VisionTransformerMoe(nn.Module):
     x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
 
     moe_layers = self.moe_layers
-    ctx = RoutingContext()
+    ctx = RoutingContext(
+        stream_state=STREAMS.build(self.stream, parent=None).init_state(x),
+        axis_name=self.state_axis_name)
     metrics: dict[str, Any] = {}
     for i in range(self.num_layers):
       x, ctx, layer_metrics = EncoderBlock(
           num_heads=self.num_heads, mlp_dim=self.mlp_dim,
           dropout_rate=self.dropout_rate,
           attention_dropout_rate=self.attention_dropout_rate,
-          moe=self.moe if i in moe_layers else None, dtype=self.dtype,
-          name=f"encoderblock_{i}")(x, ctx.at_layer(i),
-                                    deterministic=deterministic)
+          moe=self.moe if i in moe_layers else None, stream=self.stream,
+          dtype=self.dtype, name=f"encoderblock_{i}")(
+              x, ctx.at_layer(i), deterministic=deterministic,
+              update_state=update_state)
       if layer_metrics is not None:
         metrics[f"layer_{i}"] = layer_metrics
     x = nn.LayerNorm(name="encoder_norm", dtype=self.dtype)(x)

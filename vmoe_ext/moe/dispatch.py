@@ -12,6 +12,11 @@ tolerance:
 Soft routing (SoftMoE) is dense by construction: every slot is a weighted sum
 of all tokens, so both dispatcher names use the same weighted contraction.
 
+Plans and dispatchers are pytrees (static sizes are not leaves), so a
+`shard_map` or `jit` can take them as arguments. The dispatch/combine weights
+can be cast to a lower precision (`dtype=jnp.bfloat16`, as vmoe's configs
+do); the tokens and expert outputs are then contracted in that dtype.
+
 Capacity rules for token choice (as vmoe): buffers are filled choice-major —
 every token's first choice before any token's second choice — and, within one
 choice rank, in token order, or, with batch-priority routing (BPR), in order of
@@ -21,9 +26,9 @@ it contributes 0 to the token's output (the residual stream still carries it).
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 
@@ -45,7 +50,7 @@ class Dispatcher(Protocol):
     """`[E, G*C, D] -> [G, S, D]`, weighting each slot by its combine weight."""
 
 
-@dataclasses.dataclass(frozen=True)
+@flax.struct.dataclass
 class DispatchPlan:
   """A dispatcher plus what it decided.
 
@@ -58,9 +63,9 @@ class DispatchPlan:
     expert_usage: `[E]`, fraction of each expert's `G*C` buffer slots filled.
   """
   dispatcher: Dispatcher
-  capacity: int
   drop_rate: Array
   expert_usage: Array
+  capacity: int = flax.struct.field(pytree_node=False)
 
 
 # ----------------------------------------------------------------------------
@@ -68,7 +73,7 @@ class DispatchPlan:
 # ----------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
+@flax.struct.dataclass
 class EinsumDispatcher:
   """Dense dispatch/combine tensors `[G, S, E, C]` (vmoe's reference form)."""
   dispatch_weights: Array
@@ -87,7 +92,7 @@ class EinsumDispatcher:
     return jnp.einsum("gsec,egcd->gsd", w, y)
 
 
-@dataclasses.dataclass(frozen=True)
+@flax.struct.dataclass
 class TokenGatherDispatcher:
   """Token choice by gathers: each buffer slot knows its source token.
 
@@ -102,7 +107,7 @@ class TokenGatherDispatcher:
   source: Array
   slot: Array
   weights: Array
-  num_experts: int
+  num_experts: int = flax.struct.field(pytree_node=False)
 
   def dispatch(self, x: Array) -> Array:
     x_flat = x.reshape(-1, x.shape[-1])
@@ -115,7 +120,7 @@ class TokenGatherDispatcher:
     return jnp.einsum("gsk,gskd->gsd", self.weights.astype(y.dtype), picked)
 
 
-@dataclasses.dataclass(frozen=True)
+@flax.struct.dataclass
 class ExpertGatherDispatcher:
   """Expert choice by gather (dispatch) and scatter-add (combine).
 
@@ -127,8 +132,8 @@ class ExpertGatherDispatcher:
   """
   source: Array
   weights: Array
-  num_groups: int
-  group_size: int
+  num_groups: int = flax.struct.field(pytree_node=False)
+  group_size: int = flax.struct.field(pytree_node=False)
 
   def dispatch(self, x: Array) -> Array:
     x_flat = x.reshape(-1, x.shape[-1])
@@ -187,12 +192,15 @@ def token_choice_positions(routing: TokenChoiceRouting, num_experts: int,
 
 
 def _token_choice_plan(routing: TokenChoiceRouting, num_experts: int,
-                       capacity: int, kind: str,
-                       batch_priority: bool) -> DispatchPlan:
+                       capacity: int, kind: str, batch_priority: bool,
+                       dtype: Any) -> DispatchPlan:
+  require(capacity is not None and capacity > 0, "capacity",
+          f"token-choice dispatch needs a positive capacity, got {capacity}")
   position, kept = token_choice_positions(routing, num_experts, capacity,
                                           batch_priority)
   num_groups, group_size, _ = position.shape
-  weights = jnp.where(kept, routing.gates, 0)
+  gates = routing.gates if dtype is None else routing.gates.astype(dtype)
+  weights = jnp.where(kept, gates, 0)
   expert_one_hot = jax.nn.one_hot(routing.expert_indices, num_experts,
                                   dtype=jnp.float32)  # [G, S, K, E]
   kept_f = kept.astype(jnp.float32)
@@ -207,8 +215,8 @@ def _token_choice_plan(routing: TokenChoiceRouting, num_experts: int,
     dispatch_w = jnp.einsum("gske,gskc->gsec", where_kept, position_one_hot)
     combine_w = jnp.einsum("gske,gskc,gsk->gsec", where_kept, position_one_hot,
                            routing.gates.astype(jnp.float32))
-    dispatcher = EinsumDispatcher(dispatch_w, combine_w.astype(
-        routing.gates.dtype))
+    dispatcher = EinsumDispatcher(dispatch_w.astype(dtype or jnp.float32),
+                                  combine_w.astype(gates.dtype))
   else:
     num_slots = num_experts * num_groups * capacity
     group = jnp.arange(num_groups, dtype=jnp.int32)[:, None, None]
@@ -221,12 +229,16 @@ def _token_choice_plan(routing: TokenChoiceRouting, num_experts: int,
     source = jnp.full((num_slots,), num_groups * group_size, jnp.int32)
     source = source.at[slot.reshape(-1)].set(token.reshape(-1), mode="drop")
     dispatcher = TokenGatherDispatcher(source, slot, weights, num_experts)
-  return DispatchPlan(dispatcher, capacity, drop_rate, usage)
+  return DispatchPlan(dispatcher, drop_rate, usage, capacity)
 
 
-def _expert_choice_plan(routing: ExpertChoiceRouting, group_size: int,
-                        kind: str) -> DispatchPlan:
+def _expert_choice_plan(routing: ExpertChoiceRouting, num_experts: int,
+                        capacity: int, kind: str, batch_priority: bool,
+                        dtype: Any) -> DispatchPlan:
+  del num_experts, capacity, batch_priority  # Fixed by the routing's shape.
   num_groups, num_experts, capacity = routing.token_indices.shape
+  group_size = routing.group_size
+  weights = routing.weights if dtype is None else routing.weights.astype(dtype)
   picked = jax.nn.one_hot(routing.token_indices, group_size,
                           dtype=jnp.float32)  # [G, E, C, S]
   routed = jnp.any(picked > 0, axis=(1, 2))  # [G, S]
@@ -235,25 +247,36 @@ def _expert_choice_plan(routing: ExpertChoiceRouting, group_size: int,
   if kind == "einsum":
     dispatch_w = picked.transpose(0, 3, 1, 2)  # [G, S, E, C]
     combine_w = dispatch_w * routing.weights[:, None].astype(jnp.float32)
-    dispatcher = EinsumDispatcher(dispatch_w, combine_w.astype(
-        routing.weights.dtype))
+    dispatcher = EinsumDispatcher(dispatch_w.astype(dtype or jnp.float32),
+                                  combine_w.astype(weights.dtype))
   else:
     group = jnp.arange(num_groups, dtype=jnp.int32)[:, None, None]
     source = (routing.token_indices + group * group_size).transpose(1, 0, 2)
-    weights = routing.weights.transpose(1, 0, 2)
+    weights = weights.transpose(1, 0, 2)
     dispatcher = ExpertGatherDispatcher(
         source.reshape(num_experts, num_groups * capacity),
         weights.reshape(num_experts, num_groups * capacity), num_groups,
         group_size)
-  return DispatchPlan(dispatcher, capacity, drop_rate, usage)
+  return DispatchPlan(dispatcher, drop_rate, usage, capacity)
 
 
-def _soft_plan(routing: SoftRouting) -> DispatchPlan:
+def _soft_plan(routing: SoftRouting, num_experts: int, capacity: int,
+               kind: str, batch_priority: bool, dtype: Any) -> DispatchPlan:
+  del num_experts, capacity, kind, batch_priority  # Dense by construction.
   _, _, num_experts, slots = routing.dispatch_weights.shape
-  dispatcher = EinsumDispatcher(routing.dispatch_weights,
-                                routing.combine_weights)
-  return DispatchPlan(dispatcher, slots, jnp.zeros((), jnp.float32),
-                      jnp.ones((num_experts,), jnp.float32))
+  cast = (lambda w: w) if dtype is None else (lambda w: w.astype(dtype))
+  dispatcher = EinsumDispatcher(cast(routing.dispatch_weights),
+                                cast(routing.combine_weights))
+  return DispatchPlan(dispatcher, jnp.zeros((), jnp.float32),
+                      jnp.ones((num_experts,), jnp.float32), slots)
+
+
+# One planner per routing form: `(routing, E, C, kind, bpr, dtype) -> plan`.
+PLANNERS: dict[type, Callable[..., DispatchPlan]] = {
+    TokenChoiceRouting: _token_choice_plan,
+    ExpertChoiceRouting: _expert_choice_plan,
+    SoftRouting: _soft_plan,
+}
 
 
 def make_dispatch_plan(routing: Routing,
@@ -262,27 +285,25 @@ def make_dispatch_plan(routing: Routing,
                        group_size: int,
                        capacity: Optional[int],
                        kind: str = "indices",
-                       batch_priority: bool = False) -> DispatchPlan:
+                       batch_priority: bool = False,
+                       dtype: Any = None) -> DispatchPlan:
   """Builds the dispatcher for `routing`.
 
   Args:
     routing: any routing form (see `vmoe_ext.moe.routing`).
     num_experts: E.
-    group_size: S.
+    group_size: S (expert-choice and soft routings carry it in their shapes).
     capacity: C for token choice (ignored by expert-choice and soft routing,
       whose capacity is fixed by the router's output shape).
     kind: "einsum" or "indices".
     batch_priority: batch-priority routing (token choice only).
+    dtype: dtype of the dispatch/combine weights (None: the routing's own,
+      float32); the tokens are contracted in the dtype they come in.
   """
+  del group_size
   require(kind in DISPATCHERS, "dispatcher",
           f"unknown dispatcher {kind!r}; expected one of {DISPATCHERS}")
-  if isinstance(routing, TokenChoiceRouting):
-    require(capacity is not None and capacity > 0, "capacity",
-            f"token-choice dispatch needs a positive capacity, got {capacity}")
-    return _token_choice_plan(routing, num_experts, capacity, kind,
-                              batch_priority)
-  if isinstance(routing, ExpertChoiceRouting):
-    return _expert_choice_plan(routing, group_size, kind)
-  if isinstance(routing, SoftRouting):
-    return _soft_plan(routing)
-  raise TypeError(f"unsupported routing type {type(routing).__name__}")
+  planner = PLANNERS.get(type(routing))
+  if planner is None:
+    raise TypeError(f"unsupported routing type {type(routing).__name__}")
+  return planner(routing, num_experts, capacity, kind, batch_priority, dtype)

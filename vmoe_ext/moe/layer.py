@@ -1,4 +1,9 @@
-"""The sparse MoE MLP layer: router -> dispatcher -> experts -> combine."""
+"""The sparse MoE MLP layer: router -> dispatcher -> experts -> combine.
+
+The layer never branches on the routing form: every form builds its dispatch
+plan, its expert mask and its token-major assignment through the same calls
+(`vmoe_ext.moe.routing`, `vmoe_ext.moe.dispatch`).
+"""
 
 from __future__ import annotations
 
@@ -9,11 +14,11 @@ import jax
 import jax.numpy as jnp
 
 from vmoe_ext.errors import require
-from vmoe_ext.moe.capacity import compute_capacity
+from vmoe_ext.moe.capacity import ROUNDINGS, compute_capacity
 from vmoe_ext.moe.dispatch import DISPATCHERS, make_dispatch_plan
+from vmoe_ext.moe.contract import (Assignment, LayerRecord, Metrics, Router,
+                                   RoutingContext)
 from vmoe_ext.moe.experts import MlpExperts
-from vmoe_ext.moe.routing import ExpertChoiceRouting, TokenChoiceRouting
-from vmoe_ext.routers.base import Metrics, Router, RoutingContext
 
 Array = jax.Array
 
@@ -31,6 +36,10 @@ def group_tokens(x: Array, group_size: Optional[int]) -> Array:
   return x.reshape(b * t // s, s, d)
 
 
+DISPATCH_DTYPES = {None: None, "float32": jnp.float32,
+                   "bfloat16": jnp.bfloat16}
+
+
 class MoeLayer(nn.Module):
   """Sparse mixture-of-experts MLP on `[B, T, D]` tokens.
 
@@ -40,21 +49,31 @@ class MoeLayer(nn.Module):
     group_size: S, tokens per routing group (None: one image per group).
       Capacity and balancing losses are per group.
     capacity_factor: cf in `C = ceil(S*K*cf/E)`.
-    capacity_multiple: round C up to a multiple of this (vmoe uses 4).
+    capacity_multiple: round C up to a multiple of this (None: the rounding
+      mode's default, 1 for "exact", 4 for "vmoe").
+    capacity_rounding: "exact" (ceil of `S*K*cf/E` with float noise rounded
+      away, the default) or "vmoe" (google's vmoe: ceil of the raw float
+      product; at S=800, K=2, E=8, cf=1.1 it gives 224 where "exact" gives
+      220); see `vmoe_ext.moe.capacity`.
     dispatcher: "indices" (gather/scatter, fast) or "einsum" (one-hot masks).
     batch_priority: fill expert buffers by decreasing top-1 gate.
     dropout_rate: dropout inside the experts.
     expert_init: "independent" or "shared" expert initialisation.
+    dispatch_dtype: None (the routing's float32) or "bfloat16": dtype of the
+      dispatch/combine weights and of the token contraction (vmoe's configs
+      use bfloat16; its SoftMoE always does).
   """
   router: Router
   hidden_size: int
   group_size: Optional[int] = None
   capacity_factor: float = 1.0
-  capacity_multiple: int = 1
+  capacity_multiple: Optional[int] = None
+  capacity_rounding: str = "exact"
   dispatcher: str = "indices"
   batch_priority: bool = False
   dropout_rate: float = 0.0
   expert_init: str = "independent"
+  dispatch_dtype: Optional[str] = None
   dtype: Any = jnp.float32
 
   def __post_init__(self):
@@ -65,6 +84,11 @@ class MoeLayer(nn.Module):
             "moe.capacity_factor", f"must be > 0, got {self.capacity_factor}")
     require(self.group_size is None or self.group_size > 0, "moe.group_size",
             f"must be positive or None, got {self.group_size}")
+    require(self.capacity_rounding in ROUNDINGS, "moe.capacity_rounding",
+            f"must be one of {ROUNDINGS}, got {self.capacity_rounding!r}")
+    require(self.dispatch_dtype in DISPATCH_DTYPES, "moe.dispatch_dtype",
+            f"must be one of {list(DISPATCH_DTYPES)}, got "
+            f"{self.dispatch_dtype!r}")
     super().__post_init__()
 
   @property
@@ -73,20 +97,27 @@ class MoeLayer(nn.Module):
 
   @nn.compact
   def __call__(self, x: Array, ctx: RoutingContext, *,
-               deterministic: bool = True) -> tuple[Array, Metrics, Any]:
+               deterministic: bool = True, update_state: bool = False,
+               record: bool = True) -> tuple[Array, Metrics, LayerRecord]:
     """Applies the layer.
 
     Args:
       x: `[B, T, D]` tokens (already layer-normalised by the block).
       ctx: the routing context of this block.
       deterministic: no router noise, no dropout.
+      update_state: let the router update its persistent state.
+      record: this is the block's primary evaluation: sow the intermediates
+        and allow state updates. A residual stream that evaluates the layer
+        more than once marks its other calls `record=False`; they neither sow
+        nor update router state (see `vmoe_ext.streams.base`).
 
     Returns:
       y: `[B, T, D]` the MoE output (0 for fully dropped tokens).
       metrics: router metrics plus `drop_rate`, `expert_load` `[E]` (share of
         the selections each expert received, before capacity) and
         `expert_usage` `[E]` (fraction of each expert's slots filled).
-      routing: the router's output, for the next layers' context.
+      record: the `LayerRecord` (token-major assignment `[B, T, K]` and the
+        router's forwarded data) for the later MoE layers' context.
     """
     b, t, d = x.shape
     e = self.num_experts
@@ -95,37 +126,46 @@ class MoeLayer(nn.Module):
               f"router {type(self.router).__name__} mixes the tokens of a "
               f"group, so a group must be one image (S = T = {t}); got "
               f"{self.group_size}")
+    if self.router.needs_previous:
+      require(ctx.previous is not None, "moe.router.name",
+              f"router {type(self.router).__name__} reads the previous MoE "
+              "layer's assignment, so it cannot route the first MoE layer")
     xg = group_tokens(x, self.group_size)
     num_groups, s, _ = xg.shape
     capacity = compute_capacity(s, self.router.slots_per_token,
                                 self.capacity_factor, e,
-                                self.capacity_multiple)
-    routing, metrics = self.router(xg, ctx, capacity=capacity,
-                                   deterministic=deterministic)
+                                self.capacity_multiple,
+                                rounding=self.capacity_rounding)
+    out = self.router(xg, ctx, capacity=capacity, deterministic=deterministic,
+                      update_state=update_state and record)
+    routing = out.routing
+    dtype = DISPATCH_DTYPES[self.dispatch_dtype]
     plan = make_dispatch_plan(routing, num_experts=e, group_size=s,
                               capacity=capacity, kind=self.dispatcher,
-                              batch_priority=self.batch_priority)
-    expert_inputs = plan.dispatcher.dispatch(xg.astype(self.dtype))
+                              batch_priority=self.batch_priority, dtype=dtype)
+    tokens = xg if out.expert_inputs is None else out.expert_inputs
+    expert_inputs = plan.dispatcher.dispatch(tokens.astype(dtype or self.dtype))
     expert_outputs = MlpExperts(
         num_experts=e, hidden_size=self.hidden_size,
         dropout_rate=self.dropout_rate, init_mode=self.expert_init,
-        dtype=self.dtype, name="experts")(expert_inputs,
-                                          deterministic=deterministic)
-    y = plan.dispatcher.combine(expert_outputs).reshape(b, t, d)
+        dtype=self.dtype, name="Mlp")(expert_inputs,
+                                      deterministic=deterministic)
+    y = plan.dispatcher.combine(expert_outputs.astype(dtype or self.dtype))
+    y = y.reshape(b, t, d)
 
-    if isinstance(routing, ExpertChoiceRouting):
-      mask = routing.expert_mask(e, s)
-    else:
-      mask = routing.expert_mask(e)
+    mask = routing.expert_mask(e)
     mask_f = mask.astype(jnp.float32)
-    metrics = dict(metrics)
+    metrics = dict(out.metrics)
     metrics["drop_rate"] = plan.drop_rate
     metrics["expert_load"] = (jnp.sum(mask_f, axis=(0, 1))
                               / jnp.maximum(jnp.sum(mask_f), 1.0))
     metrics["expert_usage"] = plan.expert_usage
-    self.sow("intermediates", "expert_mask", mask.reshape(b, t, e))
-    if isinstance(routing, TokenChoiceRouting):
-      selected = jnp.where(routing.valid, routing.expert_indices, -1)
-      self.sow("intermediates", "selected_experts",
-               selected.reshape(b, t, -1))
-    return y.astype(x.dtype), metrics, routing
+    indices, gates, valid = routing.assignment(e)
+    assignment = Assignment(expert_indices=indices.reshape(b, t, -1),
+                            gates=gates.reshape(b, t, -1),
+                            valid=valid.reshape(b, t, -1))
+    if record:
+      self.sow("intermediates", "expert_mask", mask.reshape(b, t, e))
+      self.sow("intermediates", "selected_experts", assignment.expert_indices)
+    return (y.astype(x.dtype), metrics,
+            LayerRecord(assignment, out.forward, ctx.layer_index))

@@ -8,7 +8,16 @@ Three forms cover every router in the project:
 * `SoftRouting` — dense dispatch/combine weights over P slots per expert
   (SoftMoE, Puigcerver et al. 2023).
 
-All are pytrees, so they can cross `jit`/`vmap` boundaries and be sown.
+All are pytrees, so they can cross `jit`/`vmap` boundaries and be sown, and
+all answer the same questions with the same signatures, so the MoE layer never
+branches on the form:
+
+* `expert_mask(num_experts) -> [G, S, E]` bool, which experts a token went to
+  (soft: the expert holding the most combine weight);
+* `assignment(num_experts) -> (indices, gates, valid)`, each `[G, S, K]`: the
+  token's experts best first, their weights, and which entries exist. The
+  layer turns it into the grouping-independent `[B, T, K]` `Assignment` that
+  later MoE layers read (`vmoe_ext.moe.contract`).
 """
 
 from __future__ import annotations
@@ -55,6 +64,12 @@ class TokenChoiceRouting:
     one_hot = jax.nn.one_hot(self.expert_indices, num_experts, dtype=jnp.bool_)
     return jnp.any(one_hot & self.valid[..., None], axis=-2)
 
+  def assignment(self, num_experts: int) -> tuple[Array, Array, Array]:
+    """The K choices themselves (-1 / weight 0 where not valid)."""
+    del num_experts
+    return (jnp.where(self.valid, self.expert_indices, -1),
+            jnp.where(self.valid, self.gates, 0), self.valid)
+
 
 @flax.struct.dataclass
 class ExpertChoiceRouting:
@@ -64,15 +79,35 @@ class ExpertChoiceRouting:
     token_indices: `[G, E, C]` int32, the tokens (within the group) picked by
       each expert, best first.
     weights: `[G, E, C]` float, the combine weight of each pick.
+    group_size: S (static).
   """
   token_indices: Array
   weights: Array
+  group_size: int = flax.struct.field(pytree_node=False)
 
-  def expert_mask(self, num_experts: int, group_size: int) -> Array:
+  def _token_weights(self) -> tuple[Array, Array]:
+    """`[G, S, E]` weight of expert e's pick of token s, and whether picked."""
+    picked = jax.nn.one_hot(self.token_indices, self.group_size,
+                            dtype=self.weights.dtype)  # [G, E, C, S]
+    weights = jnp.einsum("gecs,gec->gse", picked, self.weights)
+    return weights, jnp.any(picked > 0, axis=-2).transpose(0, 2, 1)
+
+  def expert_mask(self, num_experts: int) -> Array:
     """`[G, S, E]` bool: token s was picked by expert e."""
     del num_experts  # Implied by the shape of token_indices.
-    picked = jax.nn.one_hot(self.token_indices, group_size, dtype=jnp.bool_)
+    picked = jax.nn.one_hot(self.token_indices, self.group_size,
+                            dtype=jnp.bool_)
     return jnp.any(picked, axis=-2).transpose(0, 2, 1)
+
+  def assignment(self, num_experts: int) -> tuple[Array, Array, Array]:
+    """The experts that picked each token, by decreasing weight (K = E)."""
+    weights, picked = self._token_weights()
+    order = jnp.argsort(jnp.where(picked, -weights, jnp.inf), axis=-1,
+                        stable=True)[..., :num_experts]
+    valid = jnp.take_along_axis(picked, order, axis=-1)
+    gates = jnp.take_along_axis(weights, order, axis=-1)
+    return (jnp.where(valid, order, -1).astype(jnp.int32),
+            jnp.where(valid, gates, 0), valid)
 
 
 @flax.struct.dataclass
@@ -84,9 +119,12 @@ class SoftRouting:
       convex combination of the group's tokens).
     combine_weights: `[G, S, E, P]`, normalised over (E, P) jointly (each
       token's output is a convex combination of all slot outputs).
+    assigned_slots: K of `assignment` (static): a token's assignment is the
+      experts of its K slots of largest combine weight (capped at E*P).
   """
   dispatch_weights: Array
   combine_weights: Array
+  assigned_slots: int = flax.struct.field(pytree_node=False, default=8)
 
   def expert_mask(self, num_experts: int) -> Array:
     """`[G, S, E]` bool: the expert holding the most combine weight of token s.
@@ -98,6 +136,15 @@ class SoftRouting:
     per_expert = jnp.sum(self.combine_weights, axis=-1)  # [G, S, E]
     return jax.nn.one_hot(jnp.argmax(per_expert, axis=-1), num_experts,
                           dtype=jnp.bool_)
+
+  def assignment(self, num_experts: int) -> tuple[Array, Array, Array]:
+    """The top-K slots by combine weight: expert `slot // P`, that weight."""
+    g, s, e, p = self.combine_weights.shape
+    del num_experts
+    k = min(self.assigned_slots, e * p)
+    gates, slots = jax.lax.top_k(self.combine_weights.reshape(g, s, e * p), k)
+    return ((slots // p).astype(jnp.int32), gates,
+            jnp.ones(slots.shape, jnp.bool_))
 
 
 Routing = Union[TokenChoiceRouting, ExpertChoiceRouting, SoftRouting]

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 from vmoe_ext.errors import require
 from vmoe_ext.moe import losses
 from vmoe_ext.moe.routing import TokenChoiceRouting
-from vmoe_ext.routers.base import LinearLogits, Metrics, Router, RoutingContext
+from vmoe_ext.moe.contract import (LinearLogits, Metrics, Router, RouterOutput,
+                                   RoutingContext)
 
 Array = jax.Array
 IMPORTANCE_GATES = ("clean", "noisy")
@@ -46,8 +47,11 @@ def noisy_top_k(logits: Array,
       load loss, which is only defined with noise (0 is reported without).
     renormalize_gates: combine with `softmax(topk(logits))` (the K selected
       gates renormalised to sum to 1) instead of V-MoE's raw softmax values.
-    importance_gates: "clean" (DESIGN: `softmax(l)`) or "noisy" (vmoe's code:
-      `softmax(l + eps)`) for the importance loss.
+    importance_gates: "clean" (`softmax(l)`, as DESIGN and google's vmoe
+      code: its `NoisyTopExpertsPerItemRouter` takes the importance loss of
+      the softmax computed before the noise is added) or "noisy"
+      (`softmax(l + eps)`, the V-MoE paper's appendix Eq. 11, "in practice
+      noisy") for the importance loss.
     *_loss_weight: weights of the auxiliary losses in `auxiliary_loss`.
 
   Returns:
@@ -131,15 +135,16 @@ class NoisyTopKRouter(Router):
 
   @nn.compact
   def __call__(self, x: Array, ctx: RoutingContext, *, capacity: int,
-               deterministic: bool) -> tuple[TokenChoiceRouting, Metrics]:
-    del capacity  # Token choice: capacity is applied by the dispatcher.
+               deterministic: bool, update_state: bool = False
+               ) -> RouterOutput:
+    del capacity, update_state  # Capacity is the dispatcher's; no state.
     logits = self.compute_logits(x, ctx).astype(jnp.float32)
     std = self.noise_std / self.num_experts
     noise = None
     if not deterministic and std > 0:
       noise = std * jax.random.normal(self.make_rng("gating"), logits.shape,
                                       logits.dtype)
-    return noisy_top_k(
+    routing, metrics = noisy_top_k(
         logits, noise, num_selected=self.num_selected, noise_std=std,
         renormalize_gates=self.renormalize_gates,
         importance_gates=self.importance_gates,
@@ -147,3 +152,4 @@ class NoisyTopKRouter(Router):
         load_loss_weight=self.load_loss_weight,
         gshard_loss_weight=self.gshard_loss_weight,
         z_loss_weight=self.z_loss_weight)
+    return RouterOutput(routing, metrics)

@@ -1,0 +1,208 @@
+"""The router contract (v2) and the context threaded through the encoder.
+
+This module is the router API that `vmoe_ext.moe` (the layer) and
+`vmoe_ext.routers` (the implementations) both import; it imports neither, so
+the layering runs one way: `routers -> moe.contract <- moe.layer`.
+
+A router is a Flax linen module called as
+
+    out = router(x, ctx, capacity=C, deterministic=..., update_state=...)
+
+* `x`: the group-major MoE input tokens `[G, S, D]` (after the block's
+  pre-LayerNorm);
+* `ctx`: the `RoutingContext` of the block (previous MoE layers' assignments
+  and forwarded data, the data-parallel axis name);
+* `capacity`: the per-group expert capacity C computed by the layer (used by
+  expert choice; token-choice routers leave capacity to the dispatcher);
+* `deterministic`: no router noise (evaluation, attacks);
+* `update_state`: update persistent router state (training steps only, and
+  only when the caller also made the state collection mutable).
+
+It returns a `RouterOutput`:
+
+* (routing) `routing` — one of the forms in `vmoe_ext.moe.routing`, and
+  `metrics`, a dict of scalars that always contains `auxiliary_loss` (already
+  weighted);
+* (a) `expert_inputs` — optional transformed tokens `[G, S, D]` that the
+  dispatcher sends to the experts instead of `x` (ACMoE's Swin/SoftMoE
+  variants scale the expert inputs, not only the scores);
+* (b) `forward` — an optional pytree handed to every later MoE layer through
+  `ctx.records[i].forward` (`ctx.previous_forward` for the last one).
+
+(c) Persistent non-parameter state (Symphony's co-selection graph, CMoE's
+balancing bias) lives in the collection `ROUTER_STATE` ("router_state"),
+like BatchNorm's "batch_stats": a router updates it only when
+`update_state=True`, and reduces the statistic it updates with
+`ctx.reduce_mean(value)`, which averages over `ctx.axis_name` (the model's
+`state_axis_name`, the data-parallel mesh/vmap/pmap axis) when one is given,
+so a data-parallel run equals the single-device run. It is saved with the
+train state. A router never touches expert weights.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Optional
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from vmoe_ext.moe.routing import Routing
+
+Array = jax.Array
+Metrics = dict[str, Array]
+
+TOKEN_CHOICE = "token_choice"
+EXPERT_CHOICE = "expert_choice"
+SOFT = "soft"
+ROUTER_STATE = "router_state"
+
+
+@flax.struct.dataclass
+class Assignment:
+  """A layer's expert assignment, token-major: independent of the grouping.
+
+  Every routing form produces one (`Routing.assignment`): the experts a token
+  went to, best first — token choice: its K choices; expert choice: the
+  experts that picked it (up to E, by weight); soft: the experts of its
+  top-K slots by combine weight (expert of slot j = j // P).
+
+  Attributes:
+    expert_indices: `[B, T, K]` int32; -1 where not valid.
+    gates: `[B, T, K]` float, the weight of each entry (0 where not valid).
+    valid: `[B, T, K]` bool.
+  """
+  expert_indices: Array
+  gates: Array
+  valid: Array
+
+  @property
+  def num_selected(self) -> int:
+    return self.expert_indices.shape[-1]
+
+  def top1(self) -> Array:
+    """`[B, T]` int32: each token's first expert (-1 if it has none)."""
+    return self.expert_indices[..., 0]
+
+
+@flax.struct.dataclass
+class LayerRecord:
+  """What one MoE layer leaves for the layers after it.
+
+  Attributes:
+    assignment: the layer's `Assignment` (`[B, T, K]`).
+    forward: the router's `RouterOutput.forward` pytree (or None).
+    block: the encoder block index of the layer (static).
+  """
+  assignment: Assignment
+  forward: Any = None
+  block: int = flax.struct.field(pytree_node=False, default=-1)
+
+
+@flax.struct.dataclass
+class RoutingContext:
+  """State carried from block to block through the encoder.
+
+  Attributes:
+    layer_index: index of the encoder block being applied (static).
+    records: one `LayerRecord` per MoE layer applied so far, oldest first
+      (`moe_index = len(records)`).
+    stream_state: the residual stream's state, a pytree of fixed structure
+      initialised before block 0 by `ResidualStream.init_state`.
+    axis_name: the data-parallel axis that persistent router state is
+      reduced over (static; None: no reduction).
+  """
+  layer_index: int = flax.struct.field(pytree_node=False, default=0)
+  records: tuple[LayerRecord, ...] = ()
+  stream_state: Any = ()
+  axis_name: Optional[str] = flax.struct.field(pytree_node=False,
+                                               default=None)
+
+  @property
+  def moe_index(self) -> int:
+    """How many MoE layers came before; 0 for the first MoE layer."""
+    return len(self.records)
+
+  @property
+  def previous(self) -> Optional[Assignment]:
+    """The previous MoE layer's `Assignment` `[B, T, K]`, or None."""
+    return self.records[-1].assignment if self.records else None
+
+  @property
+  def previous_forward(self) -> Any:
+    """What the previous MoE layer's router forwarded, or None."""
+    return self.records[-1].forward if self.records else None
+
+  def at_layer(self, layer_index: int) -> "RoutingContext":
+    return self.replace(layer_index=layer_index)
+
+  def after_moe(self, record: LayerRecord) -> "RoutingContext":
+    """Context for the blocks after an MoE layer that left `record`."""
+    return self.replace(records=self.records + (record,))
+
+  def reduce_mean(self, value: Any) -> Any:
+    """Mean of `value` over the data-parallel axis (identity without one)."""
+    if self.axis_name is None:
+      return value
+    return jax.lax.pmean(value, self.axis_name)
+
+
+@flax.struct.dataclass
+class RouterOutput:
+  """What a router returns (see the module docstring).
+
+  Attributes:
+    routing: the routing form.
+    metrics: scalars, always with `auxiliary_loss`.
+    expert_inputs: `[G, S, D]` tokens to dispatch instead of the router's
+      input, or None.
+    forward: a pytree for later MoE layers, or None.
+  """
+  routing: Routing
+  metrics: Metrics
+  expert_inputs: Optional[Array] = None
+  forward: Any = None
+
+
+class Router(nn.Module):
+  """Base class of every router.
+
+  Subclasses set `kind` (one of "token_choice", "expert_choice", "soft") and
+  implement `__call__` (see the module docstring). Token-choice routers report
+  `slots_per_token` (K), which the MoE layer uses to size expert buffers.
+
+  Attributes:
+    num_experts: E.
+  """
+  num_experts: int
+
+  kind: ClassVar[str] = TOKEN_CHOICE
+  # Soft routing mixes tokens of a group, so a group must be one image.
+  needs_image_groups: ClassVar[bool] = False
+  # Routers that read `ctx.previous` cannot be the first MoE layer.
+  needs_previous: ClassVar[bool] = False
+
+  @property
+  def slots_per_token(self) -> int:
+    """K in `C = ceil(S*K*cf/E)`; 1 unless the router selects K experts."""
+    return 1
+
+  def __call__(self, x: Array, ctx: RoutingContext, *, capacity: int,
+               deterministic: bool, update_state: bool = False
+               ) -> RouterOutput:
+    raise NotImplementedError
+
+
+class LinearLogits(nn.Module):
+  """Router logits `l = x W`, `W: [D, E]`, no bias; computed in `dtype`."""
+  num_experts: int
+  dtype: Any = jnp.float32
+  kernel_init: Any = nn.initializers.lecun_normal()
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    """x: `[G, S, D]` -> logits `[G, S, E]`."""
+    return nn.Dense(self.num_experts, use_bias=False, dtype=self.dtype,
+                    param_dtype=jnp.float32, kernel_init=self.kernel_init,
+                    name="dense")(x.astype(self.dtype))
