@@ -1,0 +1,360 @@
+r"""Initialising a new model's params from another run's checkpoint by rules.
+
+Config section (`init`), used by the training setup:
+
+    init = dict(
+        workdir="/path/to/other/run",  # holds checkpoints/<step>/
+        step=None,                     # None: the newest checkpoint
+        rules=[                        # (target_regex, source_replacement)
+            (r"(encoderblock_\d+)/Moe/Mlp/(.+)", r"\1/Mlp/\2"),
+            (r"encoderblock_\d+/Moe/.+", None),
+            (r"(.+)", r"\1"),
+        ])
+
+Semantics:
+  * Paths are the params' nested dict keys joined with "/", relative to
+    `params` (`encoderblock_1/Moe/Mlp/Dense_0/kernel`).
+  * For every parameter of the NEW model, the first rule whose target regex
+    matches the whole path (`re.fullmatch`) decides. Its source replacement
+    is expanded like `re.sub`'s (`\1`, `\g<name>`) into the path of the
+    source parameter in the checkpoint; a replacement of None keeps the fresh
+    initialisation. Parameters that no rule matches keep their fresh
+    initialisation as well and are listed in the report (`unmatched`).
+  * Shapes: the source shape must equal the target shape, except that a
+    target with one extra leading axis (`[E, ...]` from `[...]`, the expert
+    axis) gets the source tiled E times, so a dense MLP initialises every
+    expert. Values are cast to the fresh parameter's dtype and placed with
+    its sharding.
+  * Errors (`ConfigError`, all raised before any array data is read and
+    before anything is compiled): `init.rules` not a non-empty sequence of
+    pairs, or `init.rules[i]` with a bad regex or replacement template, a
+    target regex that fully matches no parameter, a source path missing from
+    the checkpoint (with close matches) or a shape mismatch (both shapes);
+    `init.workdir` missing or without any checkpoint; `init.step` not found
+    (the available steps are listed) or unreadable.
+  * Rules that match only parameters already claimed by earlier rules, and
+    checkpoint parameters that nothing loads, are allowed and reported.
+
+Only the `params` of the checkpoint's saved train state are read (as numpy
+arrays, see `vmoe_ext.train.checkpoint_params`): neither the source run's
+config nor its optimizer is needed. This is independent of resuming: a run
+whose own workdir has a checkpoint resumes from it (with the fingerprint
+check) and the `init` section does not apply then.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import logging
+import os
+import re
+from typing import Any, Mapping, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from vmoe_ext.errors import ConfigError, require
+from vmoe_ext.train import checkpoint_params as ckpt_params
+
+Rule = tuple[str, Optional[str]]
+Shape = tuple[int, ...]
+
+
+def identity_rules(fresh: Sequence[str] = ()) -> list[Rule]:
+  """Every parameter from the same path (fine-tuning / continuing).
+
+  Args:
+    fresh: target regexes kept freshly initialised (e.g. `"head/.+"` for a
+      new classifier), checked before the identity rule.
+  """
+  return [(pattern, None) for pattern in fresh] + [(r"(.+)", r"\1")]
+
+
+def dense_to_moe_rules(fresh: Sequence[str] = ()) -> list[Rule]:
+  r"""Upcycling: a V-MoE from a dense ViT with the same backbone.
+
+  Every expert of `encoderblock_i/Moe/Mlp/...` (`[E, ...]`) is a copy of the
+  dense `encoderblock_i/Mlp/...`; every other parameter of an MoE layer
+  (router weights) keeps its fresh initialisation; all the rest (dense
+  blocks, attention, norms, embeddings, head) comes from the same path.
+
+  Args:
+    fresh: extra target regexes kept freshly initialised, checked first.
+  """
+  return [(pattern, None) for pattern in fresh] + [
+      (r"(encoderblock_\d+)/Moe/Mlp/(.+)", r"\1/Mlp/\2"),
+      (r"encoderblock_\d+/Moe/.+", None),
+      (r"(.+)", r"\1"),
+  ]
+
+
+@dataclasses.dataclass(frozen=True)
+class InitReport:
+  """What `load_init_params` did.
+
+  Attributes:
+    workdir: the source workdir.
+    step: the checkpoint step read.
+    loaded: `{target path: source path}` of every loaded parameter.
+    tiled: `{target path: E}` for the loaded parameters tiled to E experts.
+    fresh: targets kept fresh by a rule whose replacement is None.
+    unmatched: targets matched by no rule (kept fresh as well).
+    shadowed_rules: indices of rules that matched only parameters claimed
+      by earlier rules.
+    unused_source: checkpoint parameters that nothing loaded.
+  """
+  workdir: str
+  step: int
+  loaded: Mapping[str, str]
+  tiled: Mapping[str, int]
+  fresh: tuple[str, ...]
+  unmatched: tuple[str, ...]
+  shadowed_rules: tuple[int, ...]
+  unused_source: tuple[str, ...]
+
+  def summary(self, max_names: int = 10) -> str:
+    """A few lines for the log."""
+
+    def names(paths: Sequence[str]) -> str:
+      more = len(paths) - max_names
+      return ", ".join(paths[:max_names]) + (f", ... ({more} more)"
+                                             if more > 0 else "")
+
+    lines = [f"initialised from {self.workdir} (step {self.step}): "
+             f"{len(self.loaded)} params loaded, {len(self.tiled)} of them "
+             f"tiled to experts; {len(self.fresh)} kept fresh by rule; "
+             f"{len(self.unmatched)} matched by no rule (fresh)"]
+    if self.unmatched:
+      lines.append(f"  matched by no rule: {names(self.unmatched)}")
+    if self.fresh:
+      lines.append(f"  fresh by rule: {names(self.fresh)}")
+    if self.shadowed_rules:
+      lines.append("  rules matching only params claimed earlier: "
+                   f"{list(self.shadowed_rules)}")
+    if self.unused_source:
+      lines.append(f"  checkpoint params not loaded: "
+                   f"{names(self.unused_source)}")
+    return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rule:
+  index: int
+  pattern: re.Pattern
+  replacement: Optional[str]
+
+  @property
+  def field(self) -> str:
+    return f"init.rules[{self.index}]"
+
+
+def parse_rules(rules: Any) -> list[_Rule]:
+  """Validates and compiles `init.rules`; ConfigError names the rule."""
+  require(isinstance(rules, Sequence) and not isinstance(rules, (str, bytes)),
+          "init.rules", "must be a sequence of (target_regex, "
+          f"source_replacement) pairs, got {type(rules).__name__}")
+  require(len(rules) > 0, "init.rules",
+          "is empty: nothing would be loaded (use e.g. "
+          "identity_rules() or dense_to_moe_rules())")
+  parsed = []
+  for i, rule in enumerate(rules):
+    field = f"init.rules[{i}]"
+    require(isinstance(rule, Sequence) and not isinstance(rule, str)
+            and len(rule) == 2, field,
+            f"must be a (target_regex, source_replacement) pair, got {rule!r}")
+    target, source = rule
+    require(isinstance(target, str), field,
+            f"target regex must be a string, got {target!r}")
+    require(source is None or isinstance(source, str), field,
+            f"source replacement must be a string or None, got {source!r}")
+    try:
+      pattern = re.compile(target)
+    except re.error as e:
+      raise ConfigError(field, f"bad target regex {target!r}: {e}") from e
+    parsed.append(_Rule(i, pattern, source))
+  return parsed
+
+
+def _close(name: str, candidates: Sequence[str]) -> str:
+  close = difflib.get_close_matches(name, candidates, n=3, cutoff=0.5)
+  return f"; close matches: {', '.join(close)}" if close else ""
+
+
+def plan(rules: Sequence[_Rule], targets: Mapping[str, Shape],
+         sources: Mapping[str, Shape]) -> tuple[dict, dict, list, list, list]:
+  """Resolves rules against target and source shapes, without any data.
+
+  Args:
+    rules: parsed rules.
+    targets: `{path: shape}` of the new model's params (in order).
+    sources: `{path: shape}` of the checkpoint's params.
+
+  Returns:
+    `(loaded, tiled, fresh, unmatched, shadowed_rules)` as in `InitReport`.
+
+  Raises:
+    ConfigError("init.rules[i]") for a rule matching no target, a bad
+    replacement, a missing source or a shape mismatch.
+  """
+  loaded, tiled, fresh, unmatched = {}, {}, [], []
+  won = set()
+  for rule in rules:
+    if not any(rule.pattern.fullmatch(path) for path in targets):
+      close = _close(rule.pattern.pattern, list(targets))
+      raise ConfigError(
+          rule.field, f"target regex {rule.pattern.pattern!r} fully matches "
+          f"no parameter of the model{close}")
+  for path, shape in targets.items():
+    for rule in rules:
+      match = rule.pattern.fullmatch(path)
+      if match:
+        break
+    else:
+      unmatched.append(path)
+      continue
+    won.add(rule.index)
+    if rule.replacement is None:
+      fresh.append(path)
+      continue
+    try:
+      source = match.expand(rule.replacement)
+    except (re.error, IndexError) as e:
+      raise ConfigError(rule.field, f"bad source replacement "
+                        f"{rule.replacement!r} for {path}: {e}") from e
+    if source not in sources:
+      raise ConfigError(
+          rule.field, f"maps {path} to {source}, which is not in the "
+          f"checkpoint{_close(source, list(sources))}")
+    shape, source_shape = tuple(shape), tuple(sources[source])
+    if shape == source_shape:
+      loaded[path] = source
+    elif shape[1:] == source_shape and len(shape) == len(source_shape) + 1:
+      loaded[path] = source
+      tiled[path] = int(shape[0])
+    else:
+      raise ConfigError(
+          rule.field, f"maps {path} {list(shape)} to {source} "
+          f"{list(source_shape)}: shapes must be equal, or the target may "
+          "add one leading expert axis ([E, ...] from [...])")
+  shadowed = [r.index for r in rules if r.index not in won]
+  return loaded, tiled, fresh, unmatched, shadowed
+
+
+def _get(config: Any, key: str) -> Any:
+  try:
+    return config[key]
+  except (KeyError, AttributeError):
+    return None
+
+
+def find_checkpoint(workdir: Any, step: Any) -> tuple[str, int]:
+  """`(WORKDIR/checkpoints/<step>/state, step)` of the requested checkpoint.
+
+  Raises:
+    ConfigError("init.workdir") for a missing workdir or one without
+    checkpoints; ConfigError("init.step") for a bad or absent step.
+  """
+  require(isinstance(workdir, (str, os.PathLike)) and os.fspath(workdir),
+          "init.workdir", f"must be a directory path, got {workdir!r}")
+  workdir = os.fspath(workdir)
+  require(os.path.isdir(workdir), "init.workdir",
+          f"{workdir} does not exist or is not a directory")
+  directory = os.path.join(workdir, "checkpoints")
+  steps = ckpt_params.checkpoint_steps(directory)
+  if not steps:
+    hint = (" (it looks like a checkpoints directory itself: give the run's "
+            "workdir, its parent)"
+            if ckpt_params.checkpoint_steps(workdir) else "")
+    raise ConfigError("init.workdir", f"{workdir} has no checkpoint "
+                      f"(expected {directory}/<step>/state){hint}")
+  require(step is None or (isinstance(step, (int, np.integer))
+                           and not isinstance(step, bool)), "init.step",
+          f"must be an integer step or None (newest), got {step!r}")
+  if step is None:
+    step = steps[-1]
+  require(int(step) in steps, "init.step",
+          f"no checkpoint at step {step} in {directory}; available steps: "
+          f"{steps}")
+  return ckpt_params.state_directory(directory, int(step)), int(step)
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+  if isinstance(tree, Mapping):
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+      out.update(_flatten(value, f"{prefix}{key}/"))
+    return out
+  return {prefix[:-1]: tree}
+
+
+def _rebuild(tree: Any, leaves: Mapping[str, Any], prefix: str = "") -> Any:
+  """`tree` with the leaves at the paths in `leaves` replaced (new dicts)."""
+  if isinstance(tree, Mapping):
+    return type(tree)({k: _rebuild(v, leaves, f"{prefix}{k}/")
+                       for k, v in tree.items()})
+  return leaves.get(prefix[:-1], tree)
+
+
+def _place(value: np.ndarray, like: Any) -> Any:
+  """`value` as an array of `like`'s shape, dtype and placement."""
+  dtype = like.dtype
+  value = np.broadcast_to(value, like.shape)
+  if isinstance(like, np.ndarray):
+    return np.array(value, dtype=dtype)
+  if isinstance(like, jax.Array):
+    return jax.device_put(np.asarray(value, dtype=dtype), like.sharding)
+  return jnp.asarray(value, dtype=dtype)
+
+
+def load_init_params(init_config: Any, params: Any) -> tuple[Any, InitReport]:
+  """The new model's params with values from another run's checkpoint.
+
+  Args:
+    init_config: the `init` section (dict or ConfigDict): `workdir`, `step`
+      (None: newest) and `rules` (see the module docstring).
+    params: the freshly initialised params of the new model (nested dicts of
+      arrays); not modified.
+
+  Returns:
+    `(new_params, report)`: new nested dicts of the same structure, shapes,
+    dtypes and shardings as `params`, loaded leaves replaced, every other
+    leaf the same object as in `params`; and an `InitReport` (its summary is
+    also logged).
+
+  Raises:
+    ConfigError naming `init.rules[i]`, `init.workdir` or `init.step`; see
+    the module docstring.
+  """
+  rules = parse_rules(_get(init_config, "rules"))
+  workdir = _get(init_config, "workdir")
+  state_dir, step = find_checkpoint(workdir, _get(init_config, "step"))
+  try:
+    sources = {p: s for p, (s, _) in ckpt_params.param_shapes(state_dir)
+               .items()}
+  except Exception as e:  # pylint: disable=broad-except
+    raise ConfigError("init.step", f"the checkpoint at step {step} "
+                      f"({state_dir}) is unreadable: {e}") from e
+  flat = _flatten(params)
+  targets = {p: tuple(getattr(leaf, "shape", None) or np.shape(leaf))
+             for p, leaf in flat.items()}
+  loaded, tiled, fresh, unmatched, shadowed = plan(rules, targets, sources)
+  try:
+    values = ckpt_params.read_params(state_dir, set(loaded.values()))
+  except Exception as e:  # pylint: disable=broad-except
+    raise ConfigError("init.step", f"the params of the checkpoint at step "
+                      f"{step} ({state_dir}) are unreadable: {e}") from e
+  new_leaves = {t: _place(values[s], flat[t]) for t, s in loaded.items()}
+  used = set(loaded.values())
+  report = InitReport(
+      workdir=os.fspath(workdir), step=step, loaded=loaded, tiled=tiled,
+      fresh=tuple(fresh), unmatched=tuple(unmatched),
+      shadowed_rules=tuple(shadowed),
+      unused_source=tuple(p for p in sources if p not in used))
+  logging.getLogger(__name__).info(report.summary())
+  return _rebuild(params, new_leaves), report
+
+
+__all__ = ["InitReport", "Rule", "dense_to_moe_rules", "find_checkpoint",
+           "identity_rules", "load_init_params", "parse_rules", "plan"]
