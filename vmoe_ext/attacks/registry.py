@@ -7,35 +7,28 @@ from typing import Any, Callable, Mapping, Optional
 
 import jax
 
-from vmoe_ext.attacks import fast_gradient as fgsm_lib
-from vmoe_ext.attacks import projected_gradient as pgd_lib
-from vmoe_ext.attacks import gradient_free as spsa_lib
 from vmoe_ext.attacks.base import LogitsFn
 from vmoe_ext.errors import ConfigError, require
+from vmoe_ext.registry import Registry
 
 Array = jax.Array
 Attack = Callable[[LogitsFn, Array, Array, Optional[Array]], Array]
 
-ATTACKS: dict[str, Callable[..., Array]] = {
-    "fgsm": fgsm_lib.fgsm,
-    "pgd": pgd_lib.pgd,
-    "spsa": spsa_lib.spsa,
-}
-# Each attack's argument checks (keyword-only, every argument explicit).
-_VALIDATORS = {
-    "fgsm": fgsm_lib._validate,  # pylint: disable=protected-access
-    "pgd": pgd_lib._validate,  # pylint: disable=protected-access
-    "spsa": spsa_lib._validate,  # pylint: disable=protected-access
-}
+ATTACKS = Registry("attack", {
+    "fgsm": "vmoe_ext.attacks.fast_gradient:fgsm",
+    "pgd": "vmoe_ext.attacks.projected_gradient:pgd",
+    "spsa": "vmoe_ext.attacks.gradient_free:spsa",
+})
+# Each attack's argument checks (keyword-only, every argument explicit): the
+# `_validate` function of the module that defines the attack.
+_VALIDATOR = "_validate"
 # Call-time arguments, not config fields.
 _CALL_ARGS = ("logits_fn", "x", "labels", "key")
 
 
 def get_attack(name: str) -> Callable[..., Array]:
   """The attack function registered under `name`; ConfigError if none."""
-  require(isinstance(name, str) and name in ATTACKS, "attack.name",
-          f"unknown attack {name!r}; registered: {sorted(ATTACKS)}")
-  return ATTACKS[name]
+  return ATTACKS.get(name)
 
 
 def make_attack(config: Mapping[str, Any]) -> Attack:
@@ -68,7 +61,7 @@ def make_attack(config: Mapping[str, Any]) -> Attack:
       raise ConfigError(f"attack.{field}", f"missing (required by {name!r})")
     else:
       resolved[field] = p.default
-  validator = _VALIDATORS[name]
+  validator = getattr(inspect.getmodule(fn), _VALIDATOR)
   wanted = inspect.signature(validator).parameters
   validator(**{k: v for k, v in resolved.items() if k in wanted})
   takes_key = "key" in inspect.signature(fn).parameters

@@ -102,12 +102,28 @@ import scipy.fft
 import scipy.ndimage
 
 from vmoe_ext.errors import ConfigError, require
+from vmoe_ext.registry import Registry
 
-CORRUPTIONS: tuple[str, ...] = (
-    "gaussian_noise", "shot_noise", "impulse_noise", "defocus_blur",
-    "glass_blur", "motion_blur", "zoom_blur", "snow", "frost", "fog",
-    "brightness", "contrast", "elastic_transform", "pixelate",
-    "jpeg_compression")
+# Config name -> `fn(x [N, H, W, C] in [0, 1], severity index 0..4, rng,
+# length scale) -> corrupted x`, in the ImageNet-C order.
+CORRUPTION_FUNCTIONS = Registry("corruption", {
+    "gaussian_noise": "vmoe_ext.data.corruptions:_gaussian_noise",
+    "shot_noise": "vmoe_ext.data.corruptions:_shot_noise",
+    "impulse_noise": "vmoe_ext.data.corruptions:_impulse_noise",
+    "defocus_blur": "vmoe_ext.data.corruptions:_defocus_blur",
+    "glass_blur": "vmoe_ext.data.corruptions:_glass_blur",
+    "motion_blur": "vmoe_ext.data.corruptions:_motion_blur_corruption",
+    "zoom_blur": "vmoe_ext.data.corruptions:_zoom_blur",
+    "snow": "vmoe_ext.data.corruptions:_snow",
+    "frost": "vmoe_ext.data.corruptions:_frost",
+    "fog": "vmoe_ext.data.corruptions:_fog",
+    "brightness": "vmoe_ext.data.corruptions:_brightness",
+    "contrast": "vmoe_ext.data.corruptions:_contrast",
+    "elastic_transform": "vmoe_ext.data.corruptions:_elastic_transform",
+    "pixelate": "vmoe_ext.data.corruptions:_pixelate",
+    "jpeg_compression": "vmoe_ext.data.corruptions:_jpeg_compression",
+})
+CORRUPTIONS: tuple[str, ...] = tuple(CORRUPTION_FUNCTIONS)
 SEVERITIES: tuple[int, ...] = (1, 2, 3, 4, 5)
 REFERENCE_SIZE = 32  # Lengths in the parameter tables are for 32 px images.
 
@@ -525,24 +541,6 @@ def _jpeg_compression(x, i, rng, s):
   return out.astype(np.float32) / 255
 
 
-_FUNCTIONS = {
-    "gaussian_noise": _gaussian_noise,
-    "shot_noise": _shot_noise,
-    "impulse_noise": _impulse_noise,
-    "defocus_blur": _defocus_blur,
-    "glass_blur": _glass_blur,
-    "motion_blur": _motion_blur_corruption,
-    "zoom_blur": _zoom_blur,
-    "snow": _snow,
-    "frost": _frost,
-    "fog": _fog,
-    "brightness": _brightness,
-    "contrast": _contrast,
-    "elastic_transform": _elastic_transform,
-    "pixelate": _pixelate,
-    "jpeg_compression": _jpeg_compression,
-}
-
 def corrupt(images: np.ndarray, name: str, severity: int,
             seed: int = 0) -> np.ndarray:
   """Applies corruption `name` at `severity` (1..5) to a batch of images.
@@ -562,8 +560,7 @@ def corrupt(images: np.ndarray, name: str, severity: int,
       1..5, a bad `corruption.seed`, or `corruption.images` not a float
       `[N, H, W, 1|3]` batch.
   """
-  require(isinstance(name, str) and name in _FUNCTIONS, "corruption.name",
-          f"unknown corruption {name!r}; expected one of {CORRUPTIONS}")
+  fn = CORRUPTION_FUNCTIONS.get(name)
   require(isinstance(severity, (int, np.integer))
           and not isinstance(severity, bool) and 1 <= severity <= 5,
           "corruption.severity", f"must be an integer in 1..5, got "
@@ -583,5 +580,5 @@ def corrupt(images: np.ndarray, name: str, severity: int,
   rng = np.random.default_rng([int(seed), CORRUPTIONS.index(name)])
   x = np.clip(images.astype(np.float32), 0.0, 1.0)
   s = min(images.shape[1], images.shape[2]) / REFERENCE_SIZE
-  out = _FUNCTIONS[name](x, int(severity) - 1, rng, s)
+  out = fn(x, int(severity) - 1, rng, s)
   return np.clip(out, 0.0, 1.0).astype(images.dtype, copy=False)

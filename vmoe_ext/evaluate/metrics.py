@@ -16,9 +16,29 @@ from typing import Any
 
 import numpy as np
 
-from vmoe_ext.errors import require
-
 ArrayLike = Any  # numpy array, jax array or nested sequence.
+
+
+class MetricInputError(ValueError):
+  """Arrays of the wrong shape, dtype or values handed to a metric.
+
+  Not a `ConfigError`: the config is fine, the data or the caller is not.
+
+  Attributes:
+    field: the offending argument ("labels").
+    reason: the message without the field.
+  """
+
+  def __init__(self, field: str, message: str):
+    self.field = field
+    self.reason = message
+    super().__init__(f"{field}: {message}")
+
+
+def _check(condition: Any, field: str, message: str) -> None:
+  """Raises `MetricInputError(field, message)` unless `condition` holds."""
+  if not condition:
+    raise MetricInputError(field, message)
 
 
 def _weighted_mean(values: np.ndarray, mask: ArrayLike | None,
@@ -27,8 +47,8 @@ def _weighted_mean(values: np.ndarray, mask: ArrayLike | None,
   if mask is None:
     return float(np.mean(values)) if values.size else float("nan")
   weights = np.asarray(mask, np.float64)
-  require(weights.shape == values.shape, field,
-          f"must have shape {values.shape}, got {weights.shape}")
+  _check(weights.shape == values.shape, field,
+         f"must have shape {values.shape}, got {weights.shape}")
   total = weights.sum()
   if total == 0:
     return float("nan")
@@ -37,8 +57,8 @@ def _weighted_mean(values: np.ndarray, mask: ArrayLike | None,
 
 def _logits_2d(logits: ArrayLike, field: str) -> np.ndarray:
   logits = np.asarray(logits)
-  require(logits.ndim == 2, field,
-          f"must be [N, C] logits, got shape {logits.shape}")
+  _check(logits.ndim == 2, field,
+         f"must be [N, C] logits, got shape {logits.shape}")
   return logits
 
 
@@ -63,13 +83,13 @@ def topk_accuracy(logits: ArrayLike, labels: ArrayLike, k: int = 1,
   logits = _logits_2d(logits, "logits")
   labels = np.asarray(labels)
   n, c = logits.shape
-  require(labels.shape == (n,), "labels",
-          f"must have shape ({n},), got {labels.shape}")
-  require(isinstance(k, (int, np.integer)) and 1 <= k <= c, "k",
-          f"must be an integer in [1, {c}], got {k!r}")
-  require(np.issubdtype(labels.dtype, np.integer)
-          and (n == 0 or (labels.min() >= 0 and labels.max() < c)),
-          "labels", f"must be integer class indices in [0, {c})")
+  _check(labels.shape == (n,), "labels",
+         f"must have shape ({n},), got {labels.shape}")
+  _check(isinstance(k, (int, np.integer)) and 1 <= k <= c, "k",
+         f"must be an integer in [1, {c}], got {k!r}")
+  _check(np.issubdtype(labels.dtype, np.integer)
+         and (n == 0 or (labels.min() >= 0 and labels.max() < c)),
+         "labels", f"must be integer class indices in [0, {c})")
   label_logit = np.take_along_axis(logits, labels[:, None], axis=1)  # [N, 1]
   classes = np.arange(c)[None, :]
   # Rank of the label: classes strictly better, plus equal ones listed first.
@@ -90,8 +110,8 @@ def prediction_change_rate(logits_clean: ArrayLike, logits_adv: ArrayLike,
   """
   a = _logits_2d(logits_clean, "logits_clean")
   b = _logits_2d(logits_adv, "logits_adv")
-  require(a.shape == b.shape, "logits_adv",
-          f"must have the shape of logits_clean {a.shape}, got {b.shape}")
+  _check(a.shape == b.shape, "logits_adv",
+         f"must have the shape of logits_clean {a.shape}, got {b.shape}")
   changed = (np.argmax(a, axis=1) != np.argmax(b, axis=1)).astype(np.float64)
   return _weighted_mean(changed, mask, "mask")
 
@@ -108,14 +128,14 @@ def expert_sets_to_mask(indices: ArrayLike, num_experts: int) -> np.ndarray:
   repeated indices count once (set semantics), so a token whose K slots are
   all invalid has the empty set.
   """
-  require(isinstance(num_experts, (int, np.integer)) and num_experts > 0,
-          "num_experts", f"must be a positive integer, got {num_experts!r}")
+  _check(isinstance(num_experts, (int, np.integer)) and num_experts > 0,
+         "num_experts", f"must be a positive integer, got {num_experts!r}")
   indices = np.asarray(indices)
-  require(indices.ndim >= 1 and np.issubdtype(indices.dtype, np.integer),
-          "indices", f"must be an integer array [..., K], got dtype "
-          f"{indices.dtype} shape {indices.shape}")
-  require(indices.size == 0 or indices.max() < num_experts, "indices",
-          f"expert indices must be < num_experts={num_experts}")
+  _check(indices.ndim >= 1 and np.issubdtype(indices.dtype, np.integer),
+         "indices", f"must be an integer array [..., K], got dtype "
+         f"{indices.dtype} shape {indices.shape}")
+  _check(indices.size == 0 or indices.max() < num_experts, "indices",
+         f"expert indices must be < num_experts={num_experts}")
   valid = indices >= 0
   one_hot = (indices[..., None] == np.arange(num_experts)) & valid[..., None]
   return one_hot.any(axis=-2)
@@ -124,9 +144,9 @@ def expert_sets_to_mask(indices: ArrayLike, num_experts: int) -> np.ndarray:
 def _as_set_mask(mask: ArrayLike, field: str) -> np.ndarray:
   mask = np.asarray(mask)
   if mask.dtype != bool:
-    require(np.all((mask == 0) | (mask == 1)), field,
-            "must be a boolean (or 0/1) expert-membership mask [..., E]; "
-            "convert expert indices with expert_sets_to_mask")
+    _check(np.all((mask == 0) | (mask == 1)), field,
+           "must be a boolean (or 0/1) expert-membership mask [..., E]; "
+           "convert expert indices with expert_sets_to_mask")
     mask = mask.astype(bool)
   return mask
 
@@ -140,8 +160,8 @@ def expert_set_iou(mask_a: ArrayLike, mask_b: ArrayLike) -> np.ndarray:
   """
   a = _as_set_mask(mask_a, "mask_clean")
   b = _as_set_mask(mask_b, "mask_adv")
-  require(a.shape == b.shape, "mask_adv",
-          f"must have the shape of mask_clean {a.shape}, got {b.shape}")
+  _check(a.shape == b.shape, "mask_adv",
+         f"must have the shape of mask_clean {a.shape}, got {b.shape}")
   inter = np.sum(a & b, axis=-1)
   union = np.sum(a | b, axis=-1)
   return np.where(union == 0, 1.0, inter / np.maximum(union, 1))
@@ -192,12 +212,12 @@ def load_balance(expert_mask: ArrayLike,
     with no assignment at all, `percent` is NaN and `std` is NaN.
   """
   mask = _as_set_mask(expert_mask, "expert_mask")
-  require(mask.ndim >= 1, "expert_mask", "must be [..., E]")
+  _check(mask.ndim >= 1, "expert_mask", "must be [..., E]")
   counts_per_token = mask.astype(np.int64)
   if token_mask is not None:
     valid = np.asarray(token_mask).astype(bool)
-    require(valid.shape == mask.shape[:-1], "token_mask",
-            f"must have shape {mask.shape[:-1]}, got {valid.shape}")
+    _check(valid.shape == mask.shape[:-1], "token_mask",
+           f"must have shape {mask.shape[:-1]}, got {valid.shape}")
     counts_per_token = counts_per_token * valid[..., None]
   counts = counts_per_token.reshape(-1, mask.shape[-1]).sum(axis=0)
   total = counts.sum()
@@ -212,8 +232,8 @@ def load_balance(expert_mask: ArrayLike,
 def layer_mean_std(per_layer: Sequence[float]) -> dict[str, float]:
   """`{"mean", "std"}` (population std) of a per-layer score list [L]."""
   values = np.asarray(per_layer, np.float64)
-  require(values.ndim == 1 and values.size > 0, "per_layer",
-          "must be a non-empty list of per-layer scores")
+  _check(values.ndim == 1 and values.size > 0, "per_layer",
+         "must be a non-empty list of per-layer scores")
   return {"mean": float(values.mean()), "std": float(values.std())}
 
 
@@ -237,13 +257,13 @@ def router_instability(top1_prev: ArrayLike, top1_cur: ArrayLike,
   """
   prev = np.asarray(top1_prev).reshape(-1)
   cur = np.asarray(top1_cur).reshape(-1)
-  require(prev.shape == cur.shape, "top1_cur",
-          f"must have as many tokens as top1_prev ({prev.size}), got "
-          f"{cur.size}")
+  _check(prev.shape == cur.shape, "top1_cur",
+         f"must have as many tokens as top1_prev ({prev.size}), got "
+         f"{cur.size}")
   if token_mask is not None:
     valid = np.asarray(token_mask).astype(bool).reshape(-1)
-    require(valid.shape == prev.shape, "token_mask",
-            f"must have {prev.size} entries, got {valid.size}")
+    _check(valid.shape == prev.shape, "token_mask",
+           f"must have {prev.size} entries, got {valid.size}")
     prev, cur = prev[valid], cur[valid]
   n = prev.size
   if n == 0:
@@ -286,10 +306,10 @@ def average_precision(scores: ArrayLike, is_positive: ArrayLike) -> float:
   """
   scores = np.asarray(scores, np.float64).reshape(-1)
   positive = np.asarray(is_positive).astype(bool).reshape(-1)
-  require(scores.shape == positive.shape, "is_positive",
-          f"must have {scores.size} entries, got {positive.size}")
+  _check(scores.shape == positive.shape, "is_positive",
+         f"must have {scores.size} entries, got {positive.size}")
   num_pos = int(positive.sum())
-  require(num_pos > 0, "is_positive", "needs at least one positive example")
+  _check(num_pos > 0, "is_positive", "needs at least one positive example")
   order = np.argsort(-scores, kind="stable")
   scores, positive = scores[order], positive[order]
   # Last index of each group of tied scores = one threshold.
@@ -313,8 +333,8 @@ def ood_aupr(logits_in: ArrayLike, logits_out: ArrayLike) -> float:
   """
   a = _logits_2d(logits_in, "logits_in")
   b = _logits_2d(logits_out, "logits_out")
-  require(a.shape[1] == b.shape[1], "logits_out",
-          f"must have {a.shape[1]} classes like logits_in, got {b.shape[1]}")
+  _check(a.shape[1] == b.shape[1], "logits_out",
+         f"must have {a.shape[1]} classes like logits_in, got {b.shape[1]}")
   scores = -np.concatenate([max_softmax(a), max_softmax(b)])
   labels = np.r_[np.zeros(a.shape[0], bool), np.ones(b.shape[0], bool)]
   return average_precision(scores, labels)
@@ -327,13 +347,13 @@ def ood_aupr(logits_in: ArrayLike, logits_out: ArrayLike) -> float:
 
 def _class_subset(class_subset: ArrayLike, num_classes: int) -> np.ndarray:
   subset = np.asarray(class_subset)
-  require(subset.ndim == 1 and subset.size > 0
-          and np.issubdtype(subset.dtype, np.integer), "class_subset",
-          "must be a non-empty 1-D list of class indices")
-  require(subset.min() >= 0 and subset.max() < num_classes, "class_subset",
-          f"indices must lie in [0, {num_classes})")
-  require(np.unique(subset).size == subset.size, "class_subset",
-          "indices must be distinct")
+  _check(subset.ndim == 1 and subset.size > 0
+         and np.issubdtype(subset.dtype, np.integer), "class_subset",
+         "must be a non-empty 1-D list of class indices")
+  _check(subset.min() >= 0 and subset.max() < num_classes, "class_subset",
+         f"indices must lie in [0, {num_classes})")
+  _check(np.unique(subset).size == subset.size, "class_subset",
+         "indices must be distinct")
   return subset
 
 
@@ -366,15 +386,15 @@ def subset_labels(labels: ArrayLike, class_subset: ArrayLike,
                   num_classes: int = 1000) -> np.ndarray:
   """Maps full-label-space labels `[N]` to positions `[N]` in `class_subset`.
 
-  Raises ConfigError if a label is not in the subset.
+  Raises MetricInputError if a label is not in the subset.
   """
   subset = _class_subset(class_subset, num_classes)
   labels = np.asarray(labels)
   lookup = np.full(num_classes, -1, np.int64)
   lookup[subset] = np.arange(subset.size)
-  require(labels.size == 0 or (labels.min() >= 0
-                               and labels.max() < num_classes),
-          "labels", f"must lie in [0, {num_classes})")
+  _check(labels.size == 0 or (labels.min() >= 0
+                              and labels.max() < num_classes),
+         "labels", f"must lie in [0, {num_classes})")
   out = lookup[labels]
-  require(np.all(out >= 0), "labels", "contain classes outside class_subset")
+  _check(np.all(out >= 0), "labels", "contain classes outside class_subset")
   return out

@@ -4,11 +4,44 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from vmoe_ext.errors import ConfigError, require
+from vmoe_ext.errors import ConfigError, field_scope, require
 from vmoe_ext.models.placement import resolve_moe_layers
 from vmoe_ext.models.vit import MOE_DEFAULTS, VisionTransformerMoe
+from vmoe_ext.registry import Registry
 
-MODELS = ("vit", "vit_moe", "soft_moe_vit")
+# Config name -> `fn(config without name) -> VisionTransformerMoe fields`:
+# each model kind checks and completes its own config.
+MODELS = Registry("model", {
+    "vit": "vmoe_ext.models:dense_vit_fields",
+    "vit_moe": "vmoe_ext.models:vmoe_fields",
+    "soft_moe_vit": "vmoe_ext.models:soft_moe_vit_fields",
+})
+
+
+def dense_vit_fields(config: dict[str, Any]) -> dict[str, Any]:
+  """A dense ViT: no MoE layers."""
+  require(config.get("moe") is None, "model.moe", "a dense 'vit' has no MoE "
+          "layers; use name='vit_moe' or drop the moe field")
+  return config
+
+
+def vmoe_fields(config: dict[str, Any]) -> dict[str, Any]:
+  """A V-MoE: an `moe` section with any router."""
+  require(config.get("moe") is not None, "model.moe",
+          "model 'vit_moe' needs an moe config")
+  return config
+
+
+def soft_moe_vit_fields(config: dict[str, Any]) -> dict[str, Any]:
+  """A SoftMoE ViT: the "soft" router (the default), one image per group."""
+  require(config.get("moe") is not None, "model.moe",
+          "model 'soft_moe_vit' needs an moe config")
+  moe = dict(config["moe"])
+  router = dict(moe.get("router") or {"name": "soft"})
+  router.setdefault("name", "soft")
+  require(router["name"] == "soft", "model.moe.router.name",
+          f"soft_moe_vit uses the 'soft' router, got {router['name']!r}")
+  return {**config, "moe": {**moe, "router": router}}
 
 
 def build_model(config: Mapping[str, Any]) -> VisionTransformerMoe:
@@ -20,29 +53,15 @@ def build_model(config: Mapping[str, Any]) -> VisionTransformerMoe:
     * "soft_moe_vit": SoftMoE ViT, `moe` required; its router is "soft" (set
       by default; any other router name is an error), one image per group.
   The remaining keys are `VisionTransformerMoe` fields. Everything is
-  validated here, before any tracing.
+  validated here, before any tracing; errors name the full path
+  ("model.moe.router.num_selected"). The types of the fields are checked by
+  `vmoe_ext.config` (`validate_config`) before this is called.
   """
   config = _to_dict(config)
-  name = config.pop("name", None)
-  require(name in MODELS, "model.name",
-          f"unknown model {name!r}; expected one of {MODELS}")
-  moe = config.get("moe")
-  if name == "vit":
-    require(moe is None, "model.moe", "a dense 'vit' has no MoE layers; use "
-            "name='vit_moe' or drop the moe field")
-  else:
-    require(moe is not None, "model.moe", f"model {name!r} needs an moe "
-            "config")
-  if name == "soft_moe_vit":
-    moe = dict(moe)
-    router = dict(moe.get("router") or {"name": "soft"})
-    router.setdefault("name", "soft")
-    require(router["name"] == "soft", "model.moe.router.name",
-            f"soft_moe_vit uses the 'soft' router, got {router['name']!r}")
-    moe["router"] = router
-    config["moe"] = moe
+  config = MODELS.get(config.pop("name", None))(config)
   try:
-    return VisionTransformerMoe(**config)
+    with field_scope("model"):
+      return VisionTransformerMoe(**config)
   except TypeError as e:  # Unknown keyword: name the field.
     raise ConfigError("model", str(e)) from e
 
@@ -56,4 +75,5 @@ def _to_dict(config: Any) -> Any:
 
 
 __all__ = ["MODELS", "MOE_DEFAULTS", "VisionTransformerMoe", "build_model",
-           "resolve_moe_layers"]
+           "dense_vit_fields", "resolve_moe_layers", "soft_moe_vit_fields",
+           "vmoe_fields"]

@@ -1,12 +1,23 @@
-"""Loading ml-collections config files (`configs/*.py` with `get_config(arg)`)."""
+"""Loading ml-collections config files (`configs/*.py` with `get_config(arg)`).
+
+`load_config` loads a file by path or name. For the binary, `load_config_flag`
+loads the `--config=FILE[:ARG]` value and `check_overrides` checks the
+`--config.FIELD=VALUE` flags against it, both raising `ConfigError` with a
+clear message (missing file, syntax error, no `get_config`, an argument the
+file rejects, an unknown field) instead of a traceback.
+"""
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import os
-from typing import Optional
+import traceback
+from typing import Any, Optional, Sequence
 
 import ml_collections
+
+from vmoe_ext.errors import ConfigError
 
 # The repository's configs/ folder (the package is installed editable).
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
@@ -28,3 +39,68 @@ def load_config(path: str, arg: Optional[str] = None
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module.get_config(arg) if arg is not None else module.get_config()
+
+
+def load_config_flag(value: str) -> ml_collections.ConfigDict:
+  """Loads `--config=FILE[:ARG]`; ConfigError("--config") if it fails."""
+  path, _, arg = value.partition(":")
+  field = "--config"
+  if not path:
+    raise ConfigError(field, "is empty; give a config file, e.g. "
+                      "--config=configs/default.py")
+  if not os.path.isfile(path):
+    raise ConfigError(field, f"config file not found: {path!r}")
+  try:
+    config = load_config(path, arg or None)
+  except SyntaxError as e:
+    raise ConfigError(field, f"syntax error in {e.filename}, line {e.lineno}: "
+                      f"{e.msg}") from e
+  except AttributeError as e:
+    if "get_config" not in str(e):
+      raise ConfigError(field, _failure(path, arg, e)) from e
+    raise ConfigError(field, f"{path} defines no get_config(arg=None) "
+                      "function") from e
+  except ConfigError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except
+    raise ConfigError(field, _failure(path, arg, e)) from e
+  if not isinstance(config, ml_collections.ConfigDict):
+    raise ConfigError(field, f"get_config of {path} returned a "
+                      f"{type(config).__name__}, not a ConfigDict")
+  return config
+
+
+def _failure(path: str, arg: str, e: BaseException) -> str:
+  where = traceback.extract_tb(e.__traceback__)[-1]
+  call = f"get_config({arg!r})" if arg else "get_config()"
+  return (f"{path}: {call} failed: {type(e).__name__}: {e} "
+          f"({os.path.basename(where.filename)}, line {where.lineno})")
+
+
+def override_fields(argv: Sequence[str]) -> list[str]:
+  """The dotted fields of the `--config.FIELD[=VALUE]` flags in `argv`."""
+  out = []
+  for a in argv:
+    if a.startswith("--config."):
+      out.append(a[len("--config."):].split("=", 1)[0])
+  return out
+
+
+def check_overrides(config: ml_collections.ConfigDict,
+                    argv: Sequence[str]) -> None:
+  """ConfigError naming the first `--config.FIELD` that `config` lacks."""
+  for field in override_fields(argv):
+    node: Any = config
+    walked = []
+    for part in field.split("."):
+      if not isinstance(node, (ml_collections.ConfigDict, dict)):
+        break  # Below a leaf: the flag parser reports it.
+      walked.append(part)
+      if part not in node:
+        known = sorted(node.keys())
+        close = difflib.get_close_matches(part, known, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError(".".join(walked),
+                          f"unknown field (--config.{field}); {hint}known "
+                          f"fields: {known}")
+      node = node[part]

@@ -38,20 +38,29 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from vmoe_ext.config import validate_section
+from vmoe_ext.config.sections import OPTIMIZER as OPTIMIZER_SECTION
 from vmoe_ext.errors import require
+from vmoe_ext.registry import Registry
 
-NAMES = ("adam", "adamw", "sgd")
+# Config name -> the function `(validated config) -> the optimizer's update
+# direction` (None: the plain gradient). The field types of the section are
+# `vmoe_ext.config.sections.OPTIMIZER`.
+OPTIMIZERS = Registry("optimizer", {
+    "adam": "vmoe_ext.train.optimizer:adam_direction",
+    "adamw": "vmoe_ext.train.optimizer:adam_direction",
+    "sgd": "vmoe_ext.train.optimizer:sgd_direction",
+})
+NAMES = tuple(OPTIMIZERS)
 DECAYS = ("cosine", "linear", "constant")
 MASKS = ("all", "no_bias_norm")
-FIELDS = ("name", "learning_rate", "warmup_steps", "decay", "total_steps",
-          "end_learning_rate", "b1", "b2", "eps", "momentum", "nesterov",
-          "weight_decay", "weight_decay_mask", "clip_global_norm")
+FIELDS = tuple(OPTIMIZER_SECTION.fields)
 # Leaf names that never decay under "no_bias_norm", whatever their rank:
 # biases (flax "bias", the MoE experts' stacked "bi"/"bo" [E, H]/[E, D]),
 # LayerNorm and SoftMoE "scale", and the ViT position embedding and class
@@ -102,14 +111,10 @@ def _real(cfg: Mapping[str, Any], name: str, default: Any, lo: float,
 def _validated(config: Any) -> dict[str, Any]:
   """Reads the optimizer config, fills defaults, checks every field."""
   cfg = _to_dict(config)
-  for key in cfg:
-    require(key in FIELDS, _field(str(key)),
-            f"unknown field; expected one of {FIELDS}")
+  validate_section(_PREFIX, cfg)  # Unknown fields, types, NaN/inf, names.
   out: dict[str, Any] = {}
   name = cfg.get("name")
-  require(name in NAMES, _field("name"),
-          f"unknown optimizer {name!r}; expected one of {NAMES}")
-  out["name"] = name
+  out["name"] = OPTIMIZERS.check(name)
   require("learning_rate" in cfg, _field("learning_rate"), "is required")
   out["learning_rate"] = _real(cfg, "learning_rate", None, 0.0)
 
@@ -277,12 +282,9 @@ def make_optimizer(config: Any,
   chain = []
   if cfg["clip_global_norm"]:
     chain.append(optax.clip_by_global_norm(cfg["clip_global_norm"]))
-  if cfg["name"] in ("adam", "adamw"):
-    chain.append(optax.scale_by_adam(b1=cfg["b1"], b2=cfg["b2"],
-                                     eps=cfg["eps"]))
-  elif cfg["momentum"] > 0:
-    chain.append(optax.trace(decay=cfg["momentum"],
-                             nesterov=cfg["nesterov"]))
+  direction = OPTIMIZERS.get(cfg["name"])(cfg)
+  if direction is not None:
+    chain.append(direction)
   if cfg["weight_decay"] > 0:
     mode = cfg["weight_decay_mask"]
     mask: Any
@@ -295,9 +297,24 @@ def make_optimizer(config: Any,
   return optax.chain(*chain)
 
 
+def adam_direction(cfg: Mapping[str, Any]
+                   ) -> Optional[optax.GradientTransformation]:
+  """Adam's bias-corrected `m / (sqrt(v) + eps)` (adam and adamw)."""
+  return optax.scale_by_adam(b1=cfg["b1"], b2=cfg["b2"], eps=cfg["eps"])
+
+
+def sgd_direction(cfg: Mapping[str, Any]
+                  ) -> Optional[optax.GradientTransformation]:
+  """SGD's momentum trace, or None (the plain gradient) without momentum."""
+  if cfg["momentum"] > 0:
+    return optax.trace(decay=cfg["momentum"], nesterov=cfg["nesterov"])
+  return None
+
+
 def _mask_fn(mode: str) -> Callable[[Any], Any]:
   return lambda params: weight_decay_mask(params, mode)
 
 
-__all__ = ["DECAYS", "MASKS", "NAMES", "NO_DECAY_NAMES",
-           "make_learning_rate", "make_optimizer", "weight_decay_mask"]
+__all__ = ["DECAYS", "MASKS", "NAMES", "NO_DECAY_NAMES", "OPTIMIZERS",
+           "adam_direction", "make_learning_rate", "make_optimizer",
+           "sgd_direction", "weight_decay_mask"]

@@ -1,67 +1,36 @@
 """Config validation for the training binary, before anything is compiled.
 
-`validate_config` checks the config's own values; `validate_shapes` checks what
-depends on the data's image shape (patches, routing groups of train and eval
-batches) once the data is loaded, still before tracing the model.
+`validate_config` checks the config against its schema
+(`vmoe_ext.config.sections`: unknown fields at any depth, types, NaN/inf,
+ranges, the components' own checks) plus what spans sections;
+`validate_shapes` checks what depends on the data's image shape (patches,
+routing groups of train and eval batches) once the data is loaded, still
+before tracing the model. Every `ConfigError` names the full dotted path.
+The robustness section's evaluation datasets are checked by
+`vmoe_ext.evaluate.robustness.robustness_config` (the binary calls it).
 """
 
 from __future__ import annotations
 
-import numbers
-from typing import Any
-
 import ml_collections
 
-from vmoe_ext.errors import ConfigError, require
-from vmoe_ext.models import build_model
+from vmoe_ext.config import CONFIG, SECTIONS, validate
+from vmoe_ext.errors import field_scope, require
 from vmoe_ext.train.optimizer import make_optimizer
 
-SECTIONS = ("seed", "data", "model", "optimizer", "train", "robustness")
-TRAIN_FIELDS = ("total_steps", "log_every", "eval_every", "checkpoint_every",
-                "keep_checkpoints", "label_smoothing")
-
-
-def _positive_int(value: Any, field: str) -> None:
-  require(isinstance(value, numbers.Integral) and not isinstance(value, bool)
-          and value > 0, field, f"must be a positive integer, got {value!r}")
+TRAIN_FIELDS = tuple(CONFIG.fields_of({})["train"].fields)
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
   """Raises ConfigError naming the first invalid field."""
-  unknown = sorted(set(config.keys()) - set(SECTIONS))
-  if unknown:
-    raise ConfigError(unknown[0], f"unknown config section; known: "
-                      f"{list(SECTIONS)}")
-  for section in ("data", "model", "optimizer", "train"):
-    require(section in config, section, "missing config section")
-  require(isinstance(config.get("seed", 0), numbers.Integral), "seed",
-          f"must be an integer, got {config.get('seed')!r}")
-  _positive_int(config.data.get("batch_size"), "data.batch_size")
-  _positive_int(config.data.get("eval_batch_size"), "data.eval_batch_size")
-  train = config.train
-  unknown = sorted(set(train.keys()) - set(TRAIN_FIELDS))
-  if unknown:
-    raise ConfigError(f"train.{unknown[0]}",
-                      f"unknown field; known: {list(TRAIN_FIELDS)}")
-  _positive_int(train.get("total_steps"), "train.total_steps")
-  _positive_int(train.get("log_every"), "train.log_every")
-  _positive_int(train.get("checkpoint_every"), "train.checkpoint_every")
-  _positive_int(train.get("keep_checkpoints"), "train.keep_checkpoints")
-  eval_every = train.get("eval_every", 0)
-  require(isinstance(eval_every, numbers.Integral) and eval_every >= 0,
-          "train.eval_every", f"must be an integer >= 0, got {eval_every!r}")
-  smoothing = train.get("label_smoothing", 0.0)
-  require(0.0 <= smoothing < 1.0, "train.label_smoothing",
-          f"must be in [0, 1), got {smoothing!r}")
+  validate(CONFIG, config)
+  with field_scope("optimizer"):
+    make_optimizer(config.optimizer)
+  train_steps = config.train.total_steps
   total = config.optimizer.get("total_steps")
-  require(total in (None, train.total_steps), "optimizer.total_steps",
-          f"{total} differs from train.total_steps={train.total_steps}; the "
+  require(total in (None, train_steps), "optimizer.total_steps",
+          f"{total} differs from train.total_steps={train_steps}; the "
           "schedule would not end with the run")
-  make_optimizer(config.optimizer)
-  build_model(config.model)
-  if config.get("robustness") is not None:
-    from vmoe_ext.evaluate.robustness import robustness_config
-    robustness_config(config.robustness)
 
 
 def num_tokens(model, image_shape: tuple[int, ...]) -> int:
@@ -88,3 +57,7 @@ def validate_shapes(config: ml_collections.ConfigDict, model,
     require((b * t) % s == 0, f"data.{field}",
             f"{b} images x {t} tokens = {b * t} tokens do not fill whole "
             f"routing groups of model.moe.group_size={s}")
+
+
+__all__ = ["SECTIONS", "TRAIN_FIELDS", "num_tokens", "validate_config",
+           "validate_shapes"]
