@@ -46,44 +46,18 @@ DEFAULTS: dict[str, Any] = {
 
 
 def robustness_config(config: Mapping[str, Any]) -> dict[str, Any]:
-  """Fills defaults; unknown fields are errors naming them."""
+  """Checks the `robustness` section and fills its defaults.
+
+  The fields (unknown ones, types, NaN/inf, the attacks' arguments, the eps
+  sweep, corruption names and severities) are checked against
+  `vmoe_ext.config.sections.ROBUSTNESS`, the evaluation datasets by
+  `check_datasets`; a `ConfigError` names the full path
+  (`robustness.attacks[1].eps`).
+  """
+  from vmoe_ext.config import validate_section  # Light; no import cycle.
   config = dict(config.to_dict() if hasattr(config, "to_dict") else config)
-  extra = {"checkpoint_dir"}  # Used by the evaluation binary.
-  unknown = sorted(set(config) - set(DEFAULTS) - extra)
-  if unknown:
-    raise ConfigError(f"robustness.{unknown[0]}",
-                      f"unknown field; known: {sorted(set(DEFAULTS))}")
+  validate_section("robustness", config)
   out = {**DEFAULTS, **config}
-  n = out["num_examples"]
-  require(n is None or (isinstance(n, int) and n > 0),
-          "robustness.num_examples", f"must be a positive integer or None, "
-          f"got {n!r}")
-  for i, attack in enumerate(out["attacks"]):
-    require(isinstance(attack, Mapping) and "name" in attack,
-            f"robustness.attacks[{i}]", "must be a dict with a name")
-    attack = dict(attack)
-    attack.pop("num_examples", None)
-    make_attack(attack)  # Validates name and arguments.
-  if out["sweep"] is not None:
-    sweep = dict(out["sweep"])
-    require(set(sweep) == {"attack", "eps"}, "robustness.sweep",
-            f"needs exactly the fields attack and eps, got {sorted(sweep)}")
-    for e in sweep["eps"]:
-      require(e >= 0, "robustness.sweep.eps", f"eps must be >= 0, got {e}")
-      make_attack({**dict(sweep["attack"]), "eps": float(e)})
-  if out["corruptions"] is not None:
-    corr = dict(out["corruptions"])
-    unknown = sorted(set(corr) - {"names", "severities", "num_examples"})
-    if unknown:
-      raise ConfigError(f"robustness.corruptions.{unknown[0]}",
-                        "unknown field; known: names, severities, "
-                        "num_examples")
-    for name in corr.get("names") or ():
-      require(name in CORRUPTIONS, "robustness.corruptions.names",
-              f"unknown corruption {name!r}; known: {CORRUPTIONS}")
-    for s in corr.get("severities") or ():
-      require(s in (1, 2, 3, 4, 5), "robustness.corruptions.severities",
-              f"severities are 1..5, got {s!r}")
   out["datasets"] = check_datasets(out["datasets"])
   return out
 
