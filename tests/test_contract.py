@@ -7,16 +7,24 @@ non-parameter state in its own variable collection (Symphony).
 
 from __future__ import annotations
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import naive
 from vmoe_ext.models import build_model
+from vmoe_ext.moe.capacity import compute_capacity
+from vmoe_ext.moe.layer import MoeLayer
 from vmoe_ext.moe.routing import TokenChoiceRouting
-from vmoe_ext.routers.base import Router, RouterOutput
+from vmoe_ext.routers.base import Router, RouterOutput, RoutingContext
 from vmoe_ext.routers.registry import ROUTERS
+from vmoe_ext.streams import STREAMS
+from vmoe_ext.streams.base import ResidualStream
+from vmoe_ext.train import loop
+from vmoe_ext.train.config_files import load_config
 
 
 class FollowPreviousRouter(Router):
@@ -69,3 +77,225 @@ def test_new_router_reads_context_and_keeps_state(follow_router):
     np.testing.assert_array_equal(sown[block]["Moe"]["selected_experts"][0],
                                   first)
     assert int(state["router_state"][block]["Moe"]["router"]["calls"]) == 1
+
+
+# ----------------------------------------------------------------------------
+# Contract v2: a router using (a) expert inputs, (b) forwarded data and
+# (c) persistent state together; a stream that calls ffn at an extrapolated
+# point (and once more as a probe). One registry line each.
+# ----------------------------------------------------------------------------
+
+BETA = 0.5
+
+
+class ProbeRouter(Router):
+  """Top-1 linear router that exercises every v2 seam.
+
+  (a) experts see `x * scale`, `scale = 1 / (1 + |ema|)` (state before this
+      batch's update, like Symphony's Algorithm 1);
+  (b) forwards its mean gate per expert `[E]` (over the global batch); the
+      next layer adds it to its logits and sows what it received;
+  (c) keeps `ema[D]`, the EMA (BETA) of the mean input token, updated only
+      with `update_state`, averaged over `ctx.axis_name`.
+  """
+
+  @nn.compact
+  def __call__(self, x, ctx, *, capacity, deterministic, update_state=False):
+    del capacity, deterministic
+    d = x.shape[-1]
+    ema = self.variable("router_state", "ema", jnp.zeros, (d,), jnp.float32)
+    scale = jax.lax.stop_gradient(1.0 / (1.0 + jnp.abs(ema.value)))
+    logits = nn.Dense(self.num_experts, use_bias=False, name="dense")(x)
+    if ctx.previous_forward is not None:
+      if ctx.primary:
+        self.sow("intermediates", "received", ctx.previous_forward)
+      logits = logits + ctx.previous_forward
+    gates = jax.nn.softmax(logits)
+    top, idx = jax.lax.top_k(gates, 1)
+    forward = ctx.reduce_mean(jnp.mean(gates, axis=(0, 1)))
+    if ctx.primary:
+      self.sow("intermediates", "sent", forward)
+    if update_state:
+      stat = ctx.reduce_mean(jnp.mean(x, axis=(0, 1)))
+      self.sow("intermediates", "stat", stat)
+      ema.value = BETA * ema.value + (1 - BETA) * stat
+    return RouterOutput(TokenChoiceRouting.create(idx, top),
+                        {"auxiliary_loss": 0.01 * jnp.mean(logits**2)},
+                        expert_inputs=x * scale, forward=forward)
+
+
+class ExtrapolatedStream(ResidualStream):
+  """`x + ffn(x + c * f_prev)`, state `f_prev` `[B, T, D]`, plus a probe call
+  of ffn at x that must neither sow nor update router state."""
+  coefficient: float = 0.5
+
+  def init_state(self, x):
+    return {"f_prev": jnp.zeros_like(x)}
+
+  def __call__(self, x, ffn, state, *, ctx, is_moe):
+    del ctx, is_moe
+    ffn(x, primary=False)
+    f, _ = ffn(x + self.coefficient * state["f_prev"])
+    return x + f, {"f_prev": f}
+
+
+@pytest.fixture
+def probe_components():
+  ROUTERS.entries["contract_probe"] = "test_contract:ProbeRouter"
+  STREAMS.entries["extrapolated"] = "test_contract:ExtrapolatedStream"
+  yield
+  del ROUTERS.entries["contract_probe"]
+  del STREAMS.entries["extrapolated"]
+
+
+def _probe_model(**kw):
+  return build_model(dict(
+      name="vit_moe", num_classes=3, patch_size=(4, 4), hidden_size=8,
+      num_layers=4, num_heads=2, mlp_dim=8,
+      moe=dict(layers=(0, 2, 3), num_experts=3, capacity_factor=4.0,
+               group_size=10, router={"name": "contract_probe"}),
+      stream={"name": "extrapolated"}, **kw))
+
+
+def test_v2_router_and_stream_plug_in_train_under_jit_and_grad(
+    probe_components):
+  model = _probe_model()
+  images = jax.random.uniform(jax.random.key(0), (4, 8, 8, 1))
+  variables = model.init(jax.random.key(1), images)
+  params, state = variables["params"], {"router_state":
+                                         variables["router_state"]}
+
+  @jax.jit
+  def step(params, state):
+    def loss(p):
+      (logits, metrics), new = model.apply(
+          {"params": p, **state}, images, deterministic=False,
+          update_state=True, mutable=["router_state", "intermediates"])
+      return jnp.mean(logits**2) + metrics["auxiliary_loss"], new
+    (value, new), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    return value, grads, new
+
+  value, grads, new = step(params, state)
+  assert np.isfinite(float(value))
+  router_grad = grads["encoderblock_2"]["Moe"]["router"]["dense"]["kernel"]
+  assert np.abs(np.asarray(router_grad)).sum() > 0
+  sown = new["intermediates"]
+  for block in ("encoderblock_0", "encoderblock_2", "encoderblock_3"):
+    moe = sown[block]["Moe"]
+    # The probe call sowed nothing and updated nothing: one entry each.
+    assert len(moe["selected_experts"]) == 1
+    assert len(moe["router"]["sent"]) == 1
+    assert len(moe["router"]["stat"]) == 1
+    stat = np.asarray(moe["router"]["stat"][0])
+    np.testing.assert_allclose(new["router_state"][block]["Moe"]["router"]
+                               ["ema"], (1 - BETA) * stat, rtol=1e-6)
+  # (b) each layer received exactly what the previous MoE layer sent.
+  for prev, block in (("encoderblock_0", "encoderblock_2"),
+                      ("encoderblock_2", "encoderblock_3")):
+    np.testing.assert_array_equal(
+        sown[block]["Moe"]["router"]["received"][0],
+        sown[prev]["Moe"]["router"]["sent"][0])
+  assert "received" not in sown["encoderblock_0"]["Moe"]["router"]
+
+
+def test_router_state_changes_only_when_asked(probe_components):
+  model = _probe_model()
+  images = jax.random.uniform(jax.random.key(0), (4, 8, 8, 1))
+  variables = model.init(jax.random.key(1), images)
+  variables = jax.tree.map(lambda v: v + 0.25, variables)
+  for deterministic in (True, False):
+    _, new = model.apply(variables, images, deterministic=deterministic,
+                         rngs={"dropout": jax.random.key(2)},
+                         mutable=["router_state"])
+    chex.assert_trees_all_equal(new["router_state"],
+                                variables["router_state"])
+  _, new = model.apply(variables, images, deterministic=True,
+                       update_state=True, mutable=["router_state"])
+  assert not np.allclose(new["router_state"]["encoderblock_0"]["Moe"]
+                         ["router"]["ema"], 0.25)
+
+
+def test_router_state_reduced_over_the_data_axis_equals_one_device(
+    probe_components):
+  """Two data-parallel shards (vmap with an axis name) update the state to
+  exactly the single-device value: the statistic is averaged over the axis."""
+  images = jax.random.uniform(jax.random.key(0), (4, 8, 8, 1))
+  single = _probe_model()
+  variables = single.init(jax.random.key(1), images)
+  (logits, _), one = single.apply(variables, images, update_state=True,
+                                  mutable=["router_state"])
+  sharded = _probe_model(state_axis_name="data")
+
+  def shard_apply(x):
+    (shard_logits, _), new = sharded.apply(variables, x, update_state=True,
+                                           mutable=["router_state"])
+    return shard_logits, new
+
+  shard_logits, many = jax.vmap(shard_apply, axis_name="data")(
+      images.reshape(2, 2, 8, 8, 1))
+  # Every shard holds the same (reduced) state, equal to one device's.
+  for shard in range(2):
+    chex.assert_trees_all_close(
+        jax.tree.map(lambda v, s=shard: v[s], many["router_state"]),
+        one["router_state"], rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(shard_logits.reshape(logits.shape), logits,
+                             rtol=1e-5, atol=1e-6)
+
+
+def test_expert_inputs_are_what_the_experts_see(probe_components):
+  """With a non-zero state the layer's output is the naive MoE of `x*scale`."""
+  router = ROUTERS.build({"name": "contract_probe"}, num_experts=3)
+  layer = MoeLayer(router=router, hidden_size=5, group_size=4,
+                   capacity_factor=2.0)
+  x = jax.random.normal(jax.random.key(3), (2, 6, 4))
+  variables = layer.init(jax.random.key(4), x, RoutingContext())
+  ema = jnp.array([0.5, -1.0, 2.0, 0.0])
+  variables = {**variables, "router_state": {"router": {"ema": ema}}}
+  (y, _, record), sown = layer.apply(variables, x, RoutingContext(),
+                                     mutable=["intermediates"])
+  xg = np.asarray(x).reshape(3, 4, 4)
+  w = np.asarray(variables["params"]["router"]["dense"]["kernel"])
+  logits = xg @ w
+  probs = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+  idx = np.argmax(probs, -1)[..., None]
+  gates = np.take_along_axis(probs, idx, -1)
+  scaled = xg / (1.0 + np.abs(np.asarray(ema)))
+  cap = compute_capacity(4, 1, 2.0, 3)
+  expected = naive.token_choice_moe(scaled, idx, gates,
+                                    np.ones(idx.shape, bool), 3, cap,
+                                    variables["params"]["Mlp"])
+  np.testing.assert_allclose(np.asarray(y).reshape(expected.shape), expected,
+                             rtol=2e-5, atol=2e-5)
+  # The record is token-major [B, T, K], independent of the grouping.
+  np.testing.assert_array_equal(record.assignment.expert_indices,
+                                idx.reshape(2, 6, 1))
+
+
+def test_v2_router_and_stream_checkpoint_and_resume_bit_identically(
+    probe_components, tmp_path):
+  def config():
+    c = load_config("tiny")
+    c.model.moe.router = {"name": "contract_probe"}
+    c.model.stream = {"name": "extrapolated"}
+    c.model.moe.layers = None
+    c.model.moe.every = 1
+    c.train.update(dict(total_steps=6, log_every=2, eval_every=0,
+                        checkpoint_every=2, keep_checkpoints=3))
+    return c
+
+  straight = str(tmp_path / "straight")
+  final = loop.train_and_evaluate(config(), straight)
+  resumed = str(tmp_path / "resumed")
+  assert loop.train_and_evaluate(config(), resumed, stop_at_step=3) is None
+  assert loop.train_and_evaluate(config(), resumed) == final
+  states = []
+  for workdir in (straight, resumed):
+    run = loop.setup(config(), workdir)
+    assert run.restore() == 6
+    run.checkpoints.close()
+    states.append(run.state)
+  chex.assert_trees_all_equal(states[0].params, states[1].params)
+  chex.assert_trees_all_equal(states[0].collections, states[1].collections)
+  ema = states[0].collections["router_state"]["encoderblock_1"]["Moe"][
+      "router"]["ema"]
+  assert np.abs(np.asarray(ema)).sum() > 0  # Trained state, checkpointed.

@@ -112,12 +112,18 @@ class RoutingContext:
       initialised before block 0 by `ResidualStream.init_state`.
     axis_name: the data-parallel axis that persistent router state is
       reduced over (static; None: no reduction).
+    primary: False while a residual stream evaluates the layer a second time
+      (e.g. at a shifted point; static). Such a call must not sow or update
+      state: the layer then passes `update_state=False` and skips its own
+      sows, and a router that sows intermediates of its own does so only
+      when `ctx.primary`.
   """
   layer_index: int = flax.struct.field(pytree_node=False, default=0)
   records: tuple[LayerRecord, ...] = ()
   stream_state: Any = ()
   axis_name: Optional[str] = flax.struct.field(pytree_node=False,
                                                default=None)
+  primary: bool = flax.struct.field(pytree_node=False, default=True)
 
   @property
   def moe_index(self) -> int:

@@ -136,7 +136,8 @@ class MoeLayer(nn.Module):
                                 self.capacity_factor, e,
                                 self.capacity_multiple,
                                 rounding=self.capacity_rounding)
-    out = self.router(xg, ctx, capacity=capacity, deterministic=deterministic,
+    out = self.router(xg, ctx.replace(primary=record), capacity=capacity,
+                      deterministic=deterministic,
                       update_state=update_state and record)
     routing = out.routing
     dtype = DISPATCH_DTYPES[self.dispatch_dtype]
