@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -98,10 +99,12 @@ def test_padding_does_not_count(setup):
 
 
 @pytest.mark.parametrize("robustness,field", [
-    ({"attacks": ({"name": "deepfool", "eps": 0.1},)}, "attack.name"),
-    ({"attacks": ({"name": "fgsm", "eps": -0.1},)}, "attack.eps"),
+    ({"attacks": ({"name": "deepfool", "eps": 0.1},)},
+     "robustness.attacks[0].name"),
+    ({"attacks": ({"name": "fgsm", "eps": -0.1},)},
+     "robustness.attacks[0].eps"),
     ({"attacks": ({"name": "pgd", "eps": 0.1, "steps": -1},)},
-     "attack.steps"),
+     "robustness.attacks[0].steps"),
     ({"sweep": {"attack": {"name": "pgd", "steps": 2}, "eps": (0.1, -1.0)}},
      "robustness.sweep.eps"),
     ({"corruptions": {"names": ("rain",)}}, "robustness.corruptions.names"),
@@ -111,7 +114,7 @@ def test_padding_does_not_count(setup):
     ({"epsilon": 0.1}, "robustness.epsilon"),
 ])
 def test_robustness_config_errors(robustness, field):
-  with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+  with pytest.raises(ConfigError, match=re.escape(field)):
     robustness_config(robustness)
 
 

@@ -33,11 +33,18 @@ import jax
 import jax.numpy as jnp
 
 from vmoe_ext.errors import require
+from vmoe_ext.registry import Registry
 from vmoe_ext.moe.routing import (ExpertChoiceRouting, Routing, SoftRouting,
                                   TokenChoiceRouting)
 
 Array = jax.Array
-DISPATCHERS = ("einsum", "indices")
+# Config name (`moe.dispatcher`) -> the token-choice dispatcher it selects
+# (expert-choice routing has its own gather form; soft routing is dense under
+# both names).
+DISPATCHERS = Registry("dispatcher", {
+    "einsum": "vmoe_ext.moe.dispatch:EinsumDispatcher",
+    "indices": "vmoe_ext.moe.dispatch:TokenGatherDispatcher",
+}, field="moe.dispatcher")
 
 
 class Dispatcher(Protocol):
@@ -301,8 +308,7 @@ def make_dispatch_plan(routing: Routing,
       float32); the tokens are contracted in the dtype they come in.
   """
   del group_size
-  require(kind in DISPATCHERS, "dispatcher",
-          f"unknown dispatcher {kind!r}; expected one of {DISPATCHERS}")
+  DISPATCHERS.check(kind, field="dispatcher")
   planner = PLANNERS.get(type(routing))
   if planner is None:
     raise TypeError(f"unsupported routing type {type(routing).__name__}")

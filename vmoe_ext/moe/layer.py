@@ -77,9 +77,7 @@ class MoeLayer(nn.Module):
   dtype: Any = jnp.float32
 
   def __post_init__(self):
-    require(self.dispatcher in DISPATCHERS, "moe.dispatcher",
-            f"unknown dispatcher {self.dispatcher!r}; expected one of "
-            f"{DISPATCHERS}")
+    DISPATCHERS.check(self.dispatcher)
     require(self.capacity_factor is not None and self.capacity_factor > 0,
             "moe.capacity_factor", f"must be > 0, got {self.capacity_factor}")
     require(self.group_size is None or self.group_size > 0, "moe.group_size",

@@ -65,8 +65,7 @@ FIELDS = tuple(OPTIMIZER_SECTION.fields)
 # biases (flax "bias", the MoE experts' stacked "bi"/"bo" [E, H]/[E, D]),
 # LayerNorm and SoftMoE "scale", and the ViT position embedding and class
 # token.
-NO_DECAY_NAMES = frozenset({"bias", "bi", "bo", "scale", "pos_embedding",
-                            "cls"})
+NO_DECAY_NAMES = frozenset({"bias", "scale", "pos_embedding", "cls"})
 
 _PREFIX = "optimizer"
 
@@ -237,7 +236,7 @@ def weight_decay_mask(params: Any, mode: str = "no_bias_norm") -> Any:
 
   * "all": every leaf decays.
   * "no_bias_norm": a leaf decays iff it has rank >= 2 *and* its own name
-    (the last key of its path) is not one of `NO_DECAY_NAMES`: bias, bi, bo,
+    (the last key of its path) is not one of `NO_DECAY_NAMES`: bias,
     scale, pos_embedding, cls. So dense/conv/attention/expert kernels and
     router weights decay; biases (including 2-D attention and expert
     biases), LayerNorm scales, any 0-D/1-D parameter, the position
