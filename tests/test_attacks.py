@@ -473,14 +473,21 @@ def test_call_errors_name_the_field():
       (lambda: attacks.spsa(logits_fn, x, y, eps=0.1), "attack.key"),
       (lambda: attacks.spsa(logits_fn, x, y, eps=0.1, steps=0,
                             key=jax.random.key(0)), "attack.steps"),
-      (lambda: attacks.fgsm(logits_fn, x, y[:2], eps=0.1), "attack.labels"),
-      (lambda: attacks.fgsm(logits_fn, (x * 255).astype(jnp.uint8), y,
-                            eps=0.1), "attack.x"),
   ]
   for fn, field in cases:
     with pytest.raises(ConfigError) as e:
       fn()
     assert e.value.field == field
+  # Bad data is not a config error.
+  data_cases = [
+      (lambda: attacks.fgsm(logits_fn, x, y[:2], eps=0.1), "attack.labels"),
+      (lambda: attacks.fgsm(logits_fn, (x * 255).astype(jnp.uint8), y,
+                            eps=0.1), "attack.x"),
+  ]
+  for fn, field in data_cases:
+    with pytest.raises(ValueError) as e:
+      fn()
+    assert e.value.field == field and not isinstance(e.value, ConfigError)
 
 
 def test_eager_calls_cache_per_logits_fn_without_keeping_it_alive():

@@ -64,3 +64,27 @@ def require(condition: Any, field: str, message: str) -> None:
   """Raises `ConfigError(field, message)` unless `condition` holds."""
   if not condition:
     raise ConfigError(field, message)
+
+
+class InputError(ValueError):
+  """Data of the wrong shape, dtype or values handed to a function.
+
+  Not a `ConfigError`: the config is fine, the data or the caller is not
+  (labels of the wrong shape given to a metric or an attack, an accuracy
+  outside [0, 1] in a corruption table). The binary prints it as `error: ...`.
+
+  Attributes:
+    field: the offending argument ("labels").
+    reason: the message without the field.
+  """
+
+  def __init__(self, field: str, message: str):
+    self.field = field
+    self.reason = message
+    super().__init__(f"{field}: {message}")
+
+
+def check(condition: Any, field: str, message: str) -> None:
+  """Raises `InputError(field, message)` unless `condition` holds."""
+  if not condition:
+    raise InputError(field, message)

@@ -29,7 +29,7 @@ from typing import NoReturn, Sequence
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from vmoe_ext.errors import ConfigError
+from vmoe_ext.errors import ConfigError, InputError
 from vmoe_ext.train.config_files import (CONFIG_DIR, check_overrides,
                                          load_config_flag)
 
@@ -94,7 +94,6 @@ def main(argv) -> None:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   # Heavy imports here, after flag parsing.
   from vmoe_ext.evaluate.from_checkpoint import evaluate_checkpoint
-  from vmoe_ext.evaluate.metrics import MetricInputError
   from vmoe_ext.evaluate.robustness import (after_training_hook,
                                             robustness_config)
   from vmoe_ext.train.loop import train_and_evaluate
@@ -116,7 +115,7 @@ def main(argv) -> None:
       train_and_evaluate(config, workdir, after_training=hook)
   except ConfigError as e:
     _fail(f"config error: {e}")
-  except MetricInputError as e:
+  except InputError as e:
     _fail(f"error: {e}", status=1)
   with open(os.path.join(FLAGS.workdir, "report.md")) as f:
     print(f.read())

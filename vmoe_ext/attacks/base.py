@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from vmoe_ext.errors import require
+from vmoe_ext.errors import check, require
 
 Array = jax.Array
 # `x -> logits`, or `x -> (logits, auxiliary_loss)` (see the module docstring).
@@ -219,16 +219,15 @@ def check_range(clip_min: Any, clip_max: Any) -> None:
 
 
 def check_inputs(x: Array, labels: Array) -> None:
-  """`x [B, ...]` floating point, `labels [B]` integer."""
-  require(jnp.ndim(x) >= 1, "attack.x", "needs a leading batch axis [B, ...]")
-  require(jnp.issubdtype(jnp.result_type(x), jnp.floating), "attack.x",
-          f"must be floating point images, got {jnp.result_type(x)}")
-  require(jnp.issubdtype(jnp.result_type(labels), jnp.integer),
-          "attack.labels", f"must be integer classes, got "
-          f"{jnp.result_type(labels)}")
-  require(jnp.shape(labels) == jnp.shape(x)[:1], "attack.labels",
-          f"must have shape [B] = {jnp.shape(x)[:1]}, got "
-          f"{jnp.shape(labels)}")
+  """`x [B, ...]` floating point, `labels [B]` integer (else `InputError`)."""
+  check(jnp.ndim(x) >= 1, "attack.x", "needs a leading batch axis [B, ...]")
+  check(jnp.issubdtype(jnp.result_type(x), jnp.floating), "attack.x",
+        f"must be floating point images, got {jnp.result_type(x)}")
+  check(jnp.issubdtype(jnp.result_type(labels), jnp.integer),
+        "attack.labels",
+        f"must be integer classes, got {jnp.result_type(labels)}")
+  check(jnp.shape(labels) == jnp.shape(x)[:1], "attack.labels",
+        f"must have shape [B] = {jnp.shape(x)[:1]}, got {jnp.shape(labels)}")
 
 
 def check_bool(value: Any, field: str) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from vmoe_ext.errors import require
+from vmoe_ext.errors import check
 
 # AlexNet top-1 error on ImageNet-C averaged over severities (DESIGN §4.10),
 # in the order of `vmoe_ext.data.corruptions.CORRUPTIONS`.
@@ -49,15 +49,15 @@ def corruption_errors(acc_table: Mapping[str, Mapping[int, float]]
     `{"errors": {corruption: mean_s (1 - acc)}, "mean_corruption_error":
     mean over corruptions of those errors (unnormalised)}`.
   """
-  require(isinstance(acc_table, Mapping) and len(acc_table) > 0, "acc_table",
+  check(isinstance(acc_table, Mapping) and len(acc_table) > 0, "acc_table",
           "must be a non-empty {corruption: {severity: accuracy}} mapping")
   errors = {}
   for name, per_severity in acc_table.items():
-    require(isinstance(per_severity, Mapping) and len(per_severity) > 0,
+    check(isinstance(per_severity, Mapping) and len(per_severity) > 0,
             f"acc_table.{name}", "must be a non-empty {severity: accuracy} "
             "mapping")
     acc = np.asarray(list(per_severity.values()), np.float64)
-    require(np.all((acc >= 0) & (acc <= 1)), f"acc_table.{name}",
+    check(np.all((acc >= 0) & (acc <= 1)), f"acc_table.{name}",
             f"accuracies must lie in [0, 1], got {acc.tolist()}")
     errors[name] = float(np.mean(1.0 - acc))
   return {"errors": errors,
@@ -73,15 +73,15 @@ def normalized_corruption_errors(
   mCE is defined over the baseline's 15); every baseline corruption must be
   present.
   """
-  require(isinstance(baseline, Mapping) and len(baseline) > 0, "baseline",
+  check(isinstance(baseline, Mapping) and len(baseline) > 0, "baseline",
           "must be a non-empty {corruption: error} mapping")
   missing = [name for name in baseline if name not in errors_model]
-  require(not missing, "errors_model", f"missing corruptions {missing}")
+  check(not missing, "errors_model", f"missing corruptions {missing}")
   out = {}
   for name, base in baseline.items():
-    require(base > 0, f"baseline.{name}", f"must be > 0, got {base}")
+    check(base > 0, f"baseline.{name}", f"must be > 0, got {base}")
     err = float(errors_model[name])
-    require(0.0 <= err <= 1.0, f"errors_model.{name}",
+    check(0.0 <= err <= 1.0, f"errors_model.{name}",
             f"must be an error in [0, 1], got {err}")
     out[name] = err / float(base)
   return out
@@ -100,7 +100,7 @@ def mce(errors_model: Mapping[str, float],
       datasets without baselines.
   """
   if baseline is None:
-    require(isinstance(errors_model, Mapping) and len(errors_model) > 0,
+    check(isinstance(errors_model, Mapping) and len(errors_model) > 0,
             "errors_model", "must be a non-empty {corruption: error} mapping")
     return float(np.mean([float(v) for v in errors_model.values()]))
   ratios = normalized_corruption_errors(errors_model, baseline)

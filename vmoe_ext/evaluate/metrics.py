@@ -16,23 +16,13 @@ from typing import Any
 
 import numpy as np
 
+from vmoe_ext.errors import InputError
+
 ArrayLike = Any  # numpy array, jax array or nested sequence.
 
 
-class MetricInputError(ValueError):
-  """Arrays of the wrong shape, dtype or values handed to a metric.
-
-  Not a `ConfigError`: the config is fine, the data or the caller is not.
-
-  Attributes:
-    field: the offending argument ("labels").
-    reason: the message without the field.
-  """
-
-  def __init__(self, field: str, message: str):
-    self.field = field
-    self.reason = message
-    super().__init__(f"{field}: {message}")
+class MetricInputError(InputError):
+  """Arrays of the wrong shape, dtype or values handed to a metric."""
 
 
 def _check(condition: Any, field: str, message: str) -> None:
