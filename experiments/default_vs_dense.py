@@ -18,9 +18,9 @@ import os
 import re
 import statistics
 
+from vmoe_ext.reporting.writers import read_metrics
 from vmoe_ext.train.config_files import load_config
 from vmoe_ext.train.loop import train_and_evaluate
-from vmoe_ext.train.writers import read_metrics
 
 CONFIGS = ("default", "vit_dense")
 

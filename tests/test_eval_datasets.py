@@ -32,7 +32,7 @@ from vmoe_ext.evaluate.evaluator import Evaluator
 from vmoe_ext.evaluate.imagenet_subsets import IMAGENET_R_CLASSES
 from vmoe_ext.evaluate.robustness import robustness_config
 from vmoe_ext.models import build_model
-from vmoe_ext.train.writers import MetricWriter, read_metrics
+from vmoe_ext.reporting.writers import MetricWriter, read_metrics
 
 MEAN, STD = 0.45, 0.25
 SIDE = 8      # model input side

@@ -16,9 +16,9 @@ import pytest
 
 from tiny_configs import tiny_cifar10
 from vmoe_ext.errors import ConfigError
+from vmoe_ext.reporting.writers import read_metrics
 from vmoe_ext.train import loop
 from vmoe_ext.train.config_files import CONFIG_DIR, load_config
-from vmoe_ext.train.writers import read_metrics
 
 ROOT = os.path.dirname(CONFIG_DIR)
 STEPS = 12
@@ -154,6 +154,88 @@ def test_nan_guard_stops_naming_the_step_and_keeps_last_good_checkpoint(
   assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(state.params))
 
 
+def test_nan_between_checks_is_named_at_the_next_checkpoint_step(
+    tmp_path, monkeypatch):
+  # Bad 6th batch, no log step before 12: the guard (on the device) is read
+  # back before the save of step 8, which must not happen.
+  real_next = loop.TrainIterator.__next__
+
+  def poisoned(self):
+    batch = real_next(self)
+    if self.get_state() == {"epoch": 0, "index": 6 * 32}:
+      batch = dict(batch, image=np.full_like(batch["image"], np.inf))
+    return batch
+
+  monkeypatch.setattr(loop.TrainIterator, "__next__", poisoned)
+  workdir = str(tmp_path / "nan")
+  with pytest.raises(loop.NonFiniteError, match=r"at step 6\b.*up to 8"):
+    loop.train_and_evaluate(tiny_config(log_every=12), workdir)
+  assert os.listdir(os.path.join(workdir, "checkpoints")) == ["4"]
+  assert not [r for r in read_metrics(workdir) if r["step"] > 4]
+
+
+def test_train_step_skips_a_non_finite_update_on_the_device(tmp_path):
+  run = loop.setup(tiny_config(), str(tmp_path))
+  run.checkpoints.close()
+  step_fn = jax.jit(loop.make_train_step(run.model), donate_argnums=0)
+  batch = next(run.train_iter)
+  good, _ = step_fn(run.state, batch)
+  params = jax.device_get(good.params)
+  bad_batch = dict(batch, image=np.full_like(batch["image"], np.nan))
+  bad, metrics = step_fn(good, bad_batch)
+  assert not np.isfinite(float(metrics["loss"]))
+  chex.assert_trees_all_equal(jax.device_get(bad.params), params)
+  assert (int(bad.step), int(bad.nonfinite_count),
+          int(bad.first_nonfinite_step)) == (2, 1, 2)
+  worse, _ = step_fn(bad, bad_batch)
+  assert (int(worse.nonfinite_count), int(worse.first_nonfinite_step)) == (
+      2, 2)
+
+
+def test_evaluating_a_checkpoint_builds_no_optimizer_or_train_iterator(
+    straight, tmp_path, monkeypatch):
+  import ml_collections
+  from vmoe_ext.evaluate.from_checkpoint import evaluate_checkpoint
+  workdir, final = straight
+
+  def forbidden(*args, **kwargs):
+    raise AssertionError("evaluation must not build this")
+
+  monkeypatch.setattr(loop, "make_optimizer", forbidden)
+  monkeypatch.setattr(loop.TrainIterator, "__init__", forbidden)
+  monkeypatch.setattr(loop.TrainState, "create", forbidden)
+  config = tiny_config()
+  config.robustness = ml_collections.ConfigDict(dict(
+      checkpoint_dir=workdir, num_examples=8, attacks=(), sweep=None,
+      corruptions=None))
+  out = str(tmp_path / "eval")
+  assert evaluate_checkpoint(config, out) == final
+  (line,) = [r for r in read_metrics(out) if r.get("final")]
+  assert line["step"] == STEPS and line["accuracy"] == final["accuracy"]
+
+
+def test_layering_train_and_reporting_never_import_evaluate():
+  import ast
+  package = os.path.join(ROOT, "vmoe_ext")
+  forbidden = {"train": ("vmoe_ext.evaluate",),
+               "reporting": ("vmoe_ext.evaluate", "vmoe_ext.train")}
+  for sub, prefixes in forbidden.items():
+    for name in sorted(os.listdir(os.path.join(package, sub))):
+      if not name.endswith(".py"):
+        continue
+      tree = ast.parse(open(os.path.join(package, sub, name)).read())
+      for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+          names = [node.module or ""] + [
+              f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+          names = [a.name for a in node.names]
+        else:
+          continue
+        bad = [n for n in names if n.startswith(prefixes)]
+        assert not bad, f"vmoe_ext/{sub}/{name} imports {bad}"
+
+
 @pytest.mark.parametrize("override,field", [
     (("data", "batch_size", 0), "data.batch_size"),
     (("data", "name", "imagenet_toy"), "data.name"),
@@ -207,7 +289,7 @@ def test_binary_reports_config_errors_cleanly(tmp_path):
        f"--workdir={tmp_path}", "--config.model.moe.num_experts=0"],
       cwd=ROOT, capture_output=True, text=True, timeout=900)
   assert proc.returncode == 2
-  assert "config error: moe.num_experts" in proc.stderr
+  assert "config error: model.moe.num_experts" in proc.stderr
 
 
 @pytest.mark.parametrize("name", sorted(

@@ -23,9 +23,9 @@ from test_models import IMAGES, MODELS
 
 from vmoe_ext.errors import ConfigError
 from vmoe_ext.models import build_model
+from vmoe_ext.reporting import writers as writers_lib
 from vmoe_ext.train import checkpoints as ckpt_lib
 from vmoe_ext.train import optimizer as opt_lib
-from vmoe_ext.train import writers as writers_lib
 
 # ----------------------------------------------------------------- optimizer
 
@@ -148,8 +148,10 @@ def test_no_bias_norm_mask_on_a_real_vmoe_param_tree():
     mask = opt_lib.weight_decay_mask(params)
     for path, leaf in jax.tree_util.tree_flatten_with_path(mask)[0]:
       (decayed if leaf else kept).add(path[-1].key)
-  assert decayed == {"kernel", "wi", "wo", "mu"}
-  assert kept == {"bias", "bi", "bo", "scale", "pos_embedding", "cls"}
+  # Expert weights are named like the dense MLP's (Moe/Mlp/Dense_i/kernel,
+  # [E, ...]): expert kernels decay, expert biases (2-D) do not.
+  assert decayed == {"kernel", "mu"}
+  assert kept == {"bias", "scale", "pos_embedding", "cls"}
 
 
 def test_global_norm_clipping_against_hand_computed_norm():
@@ -419,6 +421,44 @@ def test_incompatible_fingerprint_is_a_config_error(tmp_path):
   assert "hidden_size" not in message and "incompatible" in message
   assert ckpt_lib.fingerprint_diff(FP, other) == ["model/num_experts",
                                                   "router"]
+
+
+def test_restore_variables_reads_only_the_requested_entries(tmp_path):
+  def as_dict(seed):
+    return flax.serialization.to_state_dict(_state(seed).replace(
+        rng=jax.random.key_data(_state(seed).rng)))
+
+  with _manager(tmp_path) as mgr:
+    assert mgr.restore_variables({"params": {}}) is None
+    mgr.save(1, as_dict(1), {})
+    mgr.save(2, as_dict(2), {})
+  _corrupt(tmp_path, 2)
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                          {"params": _state(0).params,
+                           "router_state": _state(0).router_state})
+  with _manager(tmp_path, save_every=0) as mgr:
+    with pytest.warns(UserWarning, match="step 2"):
+      entries, step = mgr.restore_variables({**abstract, "none": {}})
+  assert step == 1 and sorted(entries) == ["none", "params", "router_state"]
+  assert entries["none"] == {}
+  chex.assert_trees_all_equal(entries["params"], _state(1).params)
+  chex.assert_trees_all_equal(entries["router_state"], _state(1).router_state)
+  other = dict(FP, model={"num_experts": 8})
+  with _manager(tmp_path, config_fingerprint=other) as mgr:
+    with pytest.raises(ConfigError, match="model/num_experts"):
+      mgr.restore_variables(abstract)
+
+
+def test_config_fingerprint_from_shapes_only():
+  config = ConfigDict(dict(
+      model=dict(name="vit"), data=dict(name="digits"),
+      optimizer=dict(name="adamw")))
+  params = {"a": {"kernel": jnp.zeros((3, 4))}, "b": jnp.zeros((2,))}
+  abstract = jax.eval_shape(lambda: params)
+  assert ckpt_lib.config_fingerprint(config, params) == (
+      ckpt_lib.config_fingerprint(config, abstract)) == {
+          "model": {"name": "vit"}, "data": "digits", "optimizer": "adamw",
+          "param_shapes": {"a/kernel": [3, 4], "b": [2]}}
 
 
 def test_checkpoint_manager_argument_errors(tmp_path):

@@ -64,8 +64,8 @@ from vmoe_ext.evaluate.evaluator import Evaluator
 from vmoe_ext.evaluate.imagenet_subsets import (IMAGENET_A_CLASSES,
                                                 IMAGENET_R_CLASSES)
 from vmoe_ext.evaluate.metrics import mask_logits, ood_aupr, topk_accuracy
-from vmoe_ext.evaluate.report_parts import bar_chart, markdown_table
-from vmoe_ext.train.writers import MetricWriter, progress_bar
+from vmoe_ext.reporting.report_parts import bar_chart, markdown_table
+from vmoe_ext.reporting.writers import MetricWriter, progress_bar
 
 KINDS = ("corrupted", "accuracy", "ood")
 NAMED_SUBSETS = {"imagenet_a": IMAGENET_A_CLASSES,

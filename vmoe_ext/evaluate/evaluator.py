@@ -18,7 +18,7 @@ from vmoe_ext.attacks import make_attack
 from vmoe_ext.data import ArrayDataset
 from vmoe_ext.data.readers import (ArrayReader, ExampleReader,
                                    reader_batches)
-from vmoe_ext.train.writers import progress_bar
+from vmoe_ext.reporting.writers import progress_bar
 
 Array = jax.Array
 

@@ -1,4 +1,10 @@
-"""Robustness evaluation of a training workdir's checkpoint (no training)."""
+"""Robustness evaluation of a training workdir's checkpoint (no training).
+
+Builds the model and only what evaluation needs: the test split, abstract
+variables (`jax.eval_shape`, nothing initialised), and the checkpoint's params
+and non-parameter collections (e.g. "router_state"); no optimizer state, no
+train iterator.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +12,73 @@ import os
 import time
 from typing import Any
 
+import flax.linen as nn
 import jax
 import ml_collections
+import numpy as np
+import optax
 
+from vmoe_ext.data import (ArrayDataset, default_normalization, eval_batches,
+                           load_dataset)
+from vmoe_ext.data.tfds_adapter import load_tfds_split
 from vmoe_ext.errors import require
 from vmoe_ext.evaluate.robustness import evaluate_robustness
-from vmoe_ext.train import loop
-from vmoe_ext.train.report import write_report
+from vmoe_ext.models import build_model
+from vmoe_ext.reporting.report import listify, write_report
+from vmoe_ext.reporting.writers import MetricWriter, read_metrics
+from vmoe_ext.train.checkpoints import CheckpointManager, config_fingerprint
+from vmoe_ext.train.state import TrainState
 from vmoe_ext.train.steps import evaluate, make_eval_step
-from vmoe_ext.train.writers import MetricWriter, read_metrics
+from vmoe_ext.train.validate import validate_config, validate_shapes
+
+
+def load_test_split(data: ml_collections.ConfigDict) -> ArrayDataset:
+  """The test split of a data config (TFDS: only that split is read)."""
+  if data.name == "tfds":
+    return load_tfds_split(data, data.get("test_split", None) or "test",
+                           split_field="data.test_split",
+                           image_size=data.get("image_size", None))
+  return load_dataset(data)["test"]
+
+
+def restore_for_eval(config: ml_collections.ConfigDict, model: nn.Module,
+                     image_shape: tuple[int, ...], source: str
+                     ) -> tuple[TrainState, int]:
+  """Params and collections of `source`'s newest checkpoint.
+
+  Args:
+    config: the training run's config (its fingerprint is checked).
+    model: `build_model(config.model)`.
+    image_shape: `[B, H, W, C]` of an input batch.
+    source: the training workdir.
+
+  Returns:
+    `(state, step)`: a `TrainState` with `params` and `collections` restored
+    (no optimizer: `opt_state` is None, `tx` is `optax.identity()`), enough
+    for `make_eval_step` and `state.variables()`.
+  """
+  sample = jax.ShapeDtypeStruct(image_shape, np.float32)
+  variables = dict(jax.eval_shape(model.init, jax.random.key(0), sample))
+  params = variables.pop("params")
+  variables.pop("intermediates", None)
+  manager = CheckpointManager(
+      os.path.join(source, "checkpoints"), save_every=0,
+      keep=config.train.keep_checkpoints,
+      config_fingerprint=config_fingerprint(config, params))
+  try:
+    restored = manager.restore_variables({"params": params,
+                                          "collections": variables})
+  finally:
+    manager.close()
+  require(restored is not None, "robustness.checkpoint_dir",
+          f"no checkpoint could be restored from {manager.directory!r}")
+  entries, step = restored
+  zero = np.zeros((), np.int32)
+  state = TrainState(step=np.int32(step), params=entries["params"],
+                     opt_state=None, collections=dict(entries["collections"]),
+                     rng=np.zeros((2,), np.uint32), nonfinite_count=zero,
+                     first_nonfinite_step=zero, tx=optax.identity())
+  return state, step
 
 
 def evaluate_checkpoint(config: ml_collections.ConfigDict,
@@ -36,23 +100,27 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict,
           f"no checkpoint found in {ckpt_dir!r}; train into that workdir "
           f"first (python -m vmoe_ext.main --config=TRAINING_CONFIG "
           f"--workdir={source})")
-  run = loop.setup(config, source)
-  step = run.restore()
-  run.checkpoints.close()
-  require(step is not None, "robustness.checkpoint_dir",
-          f"no checkpoint could be restored from {ckpt_dir!r}")
+  validate_config(config)
+  test = load_test_split(config.data)
+  mean, std = default_normalization(config.data)
+  batches = lambda: eval_batches(test, config.data.eval_batch_size,
+                                 image_size=config.data.get("image_size"),
+                                 mean=mean, std=std)
+  image_shape = next(batches())["image"].shape
+  model = build_model(config.model)
+  validate_shapes(config, model, image_shape)
+  state, step = restore_for_eval(config, model, image_shape, source)
   os.makedirs(workdir, exist_ok=True)
   writer = MetricWriter(workdir)
   writer.truncate(-1)  # A fresh evaluation: drop any earlier lines here.
-  final = evaluate(jax.jit(make_eval_step(run.model)), run.state,
-                   run.eval_batches())
+  final = evaluate(jax.jit(make_eval_step(model)), state, batches())
   writer.write(step, "test", final, final=True)
   sections = evaluate_robustness(
-      run.model, run.state.variables(), run.datasets["test"], config.data,
+      model, state.variables(), test, config.data,
       config.robustness, batch_size=config.data.eval_batch_size,
       writer=writer, step=step, workdir=workdir)
   writer.close()
-  final = loop.listify(final)
+  final = listify(final)
   final["step"] = step
   write_report(workdir, final_metrics=final, records=read_metrics(workdir),
                config_summary=config.to_dict(),

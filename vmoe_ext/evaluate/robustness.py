@@ -30,8 +30,8 @@ from vmoe_ext.evaluate.corruption_metrics import corruption_errors
 from vmoe_ext.evaluate.datasets import check_datasets, evaluate_datasets
 from vmoe_ext.evaluate.evaluator import Evaluator, clean_accuracy
 from vmoe_ext.evaluate.metrics import routing_change_rate
-from vmoe_ext.evaluate.report_parts import bar_chart, markdown_table
-from vmoe_ext.train.writers import MetricWriter, progress_bar
+from vmoe_ext.reporting.report_parts import bar_chart, markdown_table
+from vmoe_ext.reporting.writers import MetricWriter, progress_bar
 
 DEFAULTS: dict[str, Any] = {
     "num_examples": None,   # first N test examples (None: all)

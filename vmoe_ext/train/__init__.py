@@ -1,1 +1,5 @@
-"""Training: state, optimizer, steps, checkpoints, metric writers, the loop."""
+"""Training: state, optimizer, steps, checkpoints, the loop.
+
+Never imports `vmoe_ext.evaluate` (evaluation may import training);
+metric writers and reports live in `vmoe_ext.reporting`.
+"""

@@ -19,6 +19,9 @@ handles them itself: such a leaf is saved as its `jax.random.key_data` and
 restored into a typed key with the implementation of the corresponding leaf
 of `target_state`. Raw uint32 keys (`jax.random.PRNGKey`) are plain arrays.
 Typed keys in the target must be concrete arrays (not `ShapeDtypeStruct`s).
+
+`restore_variables` reads only some entries of the saved state (e.g. params
+and router state for evaluation, without the optimizer state).
 """
 
 from __future__ import annotations
@@ -26,9 +29,11 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import jax
+import flax.traverse_util
+import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -106,6 +111,20 @@ def fingerprint_diff(stored: Any, current: Any) -> list[str]:
   missing = object()
   return sorted(k for k in set(a) | set(b)
                 if a.get(k, missing) != b.get(k, missing))
+
+
+def config_fingerprint(config: ml_collections.ConfigDict,
+                       params: Any) -> dict:
+  """What a workdir's checkpoint must match to be resumed or evaluated with
+  `config`: model config, data name, parameter shapes, optimizer name.
+
+  `params` may hold arrays or `jax.ShapeDtypeStruct`s (only shapes are used).
+  """
+  shapes = jax.tree.map(lambda x: list(np.shape(x)), params)
+  flat = flax.traverse_util.flatten_dict(shapes, sep="/")
+  return {"model": config.model.to_dict(), "data": config.data.name,
+          "param_shapes": {k: flat[k] for k in sorted(flat)},
+          "optimizer": config.optimizer.name}
 
 
 def _short(value: Any, limit: int = 80) -> str:
@@ -247,11 +266,58 @@ class CheckpointManager:
     An unreadable checkpoint triggers a warning naming its step and a fall
     back to the next older one.
     """
+    leaves, treedef = jax.tree.flatten(target_state)
+    abstract = treedef.unflatten([_to_restore_target(x) for x in leaves])
+
+    def read_state(step: int) -> Any:
+      restored = self._manager.restore(step, args=ocp.args.Composite(**{
+          STATE: ocp.args.StandardRestore(abstract)}))[STATE]
+      restored_leaves = treedef.flatten_up_to(restored)
+      return treedef.unflatten(
+          [_from_restored(t, v) for t, v in zip(leaves, restored_leaves)])
+
+    return self._restore_newest(read_state)
+
+  def restore_variables(self, target: Mapping[str, Any]
+                        ) -> tuple[dict[str, Any], int] | None:
+    """Restores only the entries of `target` from the newest readable
+    checkpoint's state (e.g. `{"params": ..., "collections": ...}`, leaving
+    the optimizer state on disk).
+
+    Args:
+      target: top-level state entries to read, each a pytree of
+        `jax.ShapeDtypeStruct`s or arrays (no typed PRNG keys) matching the
+        saved entry; empty subtrees are returned as they are.
+
+    Returns:
+      `(entries, step)` with jax arrays, or None when there is no checkpoint.
+      Fingerprint check and fallback to older checkpoints as in `restore`.
+      Meant for read-only managers (e.g. evaluation): do not `save` with the
+      same manager afterwards.
+    """
+    wanted = {k: v for k, v in target.items() if jax.tree.leaves(v)}
+    leaves, treedef = jax.tree.flatten(wanted)
+    abstract = treedef.unflatten([_to_restore_target(x) for x in leaves])
+    restore_args = jax.tree.map(
+        lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), abstract)
+
+    def read_state(step: int) -> dict[str, Any]:
+      restored = self._manager.restore(step, args=ocp.args.Composite(**{
+          STATE: ocp.args.PyTreeRestore(item=abstract,
+                                        restore_args=restore_args,
+                                        partial_restore=True)}))[STATE]
+      values = treedef.unflatten(treedef.flatten_up_to(restored))
+      return {k: values.get(k, v) for k, v in target.items()}
+
+    restored = self._restore_newest(read_state)
+    return None if restored is None else (restored[0], restored[2])
+
+  def _restore_newest(self, read_state: Callable[[int], Any]
+                      ) -> tuple[Any, dict, int] | None:
+    """`(read_state(step), extra, step)` for the newest readable step."""
     steps = self.all_steps()
     if not steps:
       return None
-    leaves, treedef = jax.tree.flatten(target_state)
-    abstract = treedef.unflatten([_to_restore_target(x) for x in leaves])
     failures = []
     for step in reversed(steps):
       try:
@@ -267,14 +333,10 @@ class CheckpointManager:
         continue
       self._check_fingerprint(step, stored)
       try:
-        restored = self._manager.restore(step, args=ocp.args.Composite(**{
-            STATE: ocp.args.StandardRestore(abstract)}))[STATE]
-        restored_leaves = treedef.flatten_up_to(restored)
+        state = read_state(step)
       except Exception as e:  # pylint: disable=broad-except
         self._unreadable(step, e, failures)
         continue
-      state = treedef.unflatten(
-          [_from_restored(t, v) for t, v in zip(leaves, restored_leaves)])
       return state, dict(extra), step
     raise CheckpointError(
         f"none of the checkpoints in {self.directory} can be restored "
@@ -289,7 +351,7 @@ class CheckpointManager:
     self._corrupt.add(step)
     warnings.warn(
         f"checkpoint at step {step} in {self.directory} is unreadable "
-        f"({reason}); falling back to an older checkpoint", stacklevel=3)
+        f"({reason}); falling back to an older checkpoint", stacklevel=4)
 
   def close(self) -> None:
     """Waits for pending work and releases orbax resources."""
@@ -303,4 +365,5 @@ class CheckpointManager:
     self.close()
 
 
-__all__ = ["CheckpointError", "CheckpointManager", "fingerprint_diff"]
+__all__ = ["CheckpointError", "CheckpointManager", "config_fingerprint",
+           "fingerprint_diff"]

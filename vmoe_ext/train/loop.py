@@ -10,7 +10,6 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import flax.linen as nn
 import flax.serialization
-import flax.traverse_util
 import jax
 import ml_collections
 import numpy as np
@@ -18,13 +17,13 @@ import numpy as np
 from vmoe_ext.data import (ArrayDataset, TrainIterator, default_normalization,
                            eval_batches, load_dataset)
 from vmoe_ext.models import build_model
-from vmoe_ext.train.checkpoints import CheckpointManager
+from vmoe_ext.reporting.report import listify, write_report
+from vmoe_ext.reporting.writers import MetricWriter, progress_bar, read_metrics
+from vmoe_ext.train.checkpoints import CheckpointManager, config_fingerprint
 from vmoe_ext.train.optimizer import make_learning_rate, make_optimizer
-from vmoe_ext.train.report import write_report
 from vmoe_ext.train.state import TrainState
 from vmoe_ext.train.steps import evaluate, make_eval_step, make_train_step
 from vmoe_ext.train.validate import validate_config, validate_shapes
-from vmoe_ext.train.writers import MetricWriter, progress_bar, read_metrics
 
 log = logging.getLogger(__name__)
 
@@ -77,15 +76,6 @@ class Run:
     return step
 
 
-def fingerprint(config: ml_collections.ConfigDict, state: TrainState) -> dict:
-  """What a workdir's checkpoint must match to be resumed by this config."""
-  shapes = jax.tree.map(lambda x: list(np.shape(x)), state.params)
-  flat = flax.traverse_util.flatten_dict(shapes, sep="/")
-  return {"model": config.model.to_dict(), "data": config.data.name,
-          "param_shapes": {k: flat[k] for k in sorted(flat)},
-          "optimizer": config.optimizer.name}
-
-
 def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
   """Validates the config, loads data, builds model, state and checkpoints.
 
@@ -114,21 +104,36 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
       os.path.join(workdir, "checkpoints"),
       save_every=config.train.checkpoint_every,
       keep=config.train.keep_checkpoints,
-      config_fingerprint=fingerprint(config, state))
+      config_fingerprint=config_fingerprint(config, state.params))
   return Run(config, datasets, model, state, train_iter, checkpoints)
 
 
 def _mean_metrics(history: Sequence[dict]) -> dict[str, Any]:
   host = jax.device_get(list(history))
   return {k: np.mean(np.stack([np.asarray(h[k]) for h in host]), axis=0)
-          for k in host[0] if k != "finite"}
+          for k in host[0]}
 
 
-def listify(metrics: dict[str, Any]) -> dict[str, Any]:
-  """Arrays to lists (vectors) or Python numbers (scalars), for reports."""
-  return {k: (np.asarray(v).tolist() if np.ndim(v) else
-              (np.asarray(v).item() if hasattr(v, "dtype") else v))
-          for k, v in metrics.items()}
+def check_finite(run: Run, step: int, history: Sequence[dict]) -> None:
+  """Reads the state's non-finite counter (a host sync); raises
+  `NonFiniteError` naming the first bad step if there was one.
+
+  Called only at log, evaluation and checkpoint steps and at the end, so a
+  checkpoint is never written after a bad step. `history` holds the metrics
+  of the steps since the last log line (`step` is the latest).
+  """
+  count, first = (int(x) for x in jax.device_get(
+      (run.state.nonfinite_count, run.state.first_nonfinite_step)))
+  if not count:
+    return
+  index = first - (step - len(history)) - 1
+  loss = (f" (loss={float(history[index]['loss'])})"
+          if 0 <= index < len(history) else "")
+  raise NonFiniteError(
+      f"non-finite loss or gradient at step {first}{loss}; {count} of the "
+      f"steps up to {step} were bad and none was saved. The last good "
+      f"checkpoint (step {run.checkpoints.latest_step()}) is kept in "
+      f"{run.checkpoints.directory}.")
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
@@ -164,39 +169,47 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   writer = MetricWriter(workdir)
   # Lines a killed run wrote after its last checkpoint are written again.
   writer.truncate(step)
+  # The state is donated: `run.state` is the only live reference to it, and
+  # `history` keeps metrics, never states. No host sync per step: the NaN
+  # guard runs on the device (see `make_train_step`) and is read back by
+  # `check_finite` before anything is logged, evaluated or saved.
   train_step = jax.jit(make_train_step(
       run.model, label_smoothing=config.train.get("label_smoothing", 0.0),
-      learning_rate_fn=make_learning_rate(config.optimizer)))
+      learning_rate_fn=make_learning_rate(config.optimizer)),
+                       donate_argnums=0)
   eval_step = jax.jit(make_eval_step(run.model))
   run_eval = lambda: evaluate(eval_step, run.state, run.eval_batches())
 
   history = []
-  with progress_bar(total=total, desc="train", initial=step) as bar:
-    while step < total:
-      new_state, metrics = train_step(run.state, next(run.train_iter))
-      if not bool(metrics["finite"]):
-        writer.close()
-        run.checkpoints.close()
-        raise NonFiniteError(
-            f"non-finite loss or gradient at step {step + 1} (loss="
-            f"{float(metrics['loss'])}); stopped without saving it. The last "
-            f"good checkpoint (step {run.checkpoints.latest_step()}) is kept "
-            f"in {os.path.join(workdir, 'checkpoints')}.")
-      run.state, step = new_state, step + 1
-      history.append(metrics)
-      bar.update(1)
-      if step % config.train.log_every == 0 or step == total:
-        writer.write(step, "train", _mean_metrics(history))
-        bar.set_postfix(loss=f"{float(metrics['loss']):.3f}")
-        history = []
-      if eval_every and step % eval_every == 0 and step < total:
-        writer.write(step, "test", run_eval())
-      if run.checkpoints.should_save(step):
-        run.save()
-      if stop_at_step is not None and step >= stop_at_step:
-        writer.close()
-        run.checkpoints.close()
-        return None
+  try:
+    with progress_bar(total=total, desc="train", initial=step) as bar:
+      while step < total:
+        run.state, metrics = train_step(run.state, next(run.train_iter))
+        step += 1
+        history.append(metrics)
+        bar.update(1)
+        log_now = step % config.train.log_every == 0 or step == total
+        eval_now = bool(eval_every) and step % eval_every == 0 and step < total
+        save_now = run.checkpoints.should_save(step)
+        if log_now or eval_now or save_now:
+          check_finite(run, step, history)
+        if log_now:
+          writer.write(step, "train", _mean_metrics(history))
+          bar.set_postfix(loss=f"{float(metrics['loss']):.3f}")
+          history = []
+        if eval_now:
+          writer.write(step, "test", run_eval())
+        if save_now:
+          run.save()
+        if stop_at_step is not None and step >= stop_at_step:
+          writer.close()
+          run.checkpoints.close()
+          return None
+    check_finite(run, step, history)
+  except NonFiniteError:
+    writer.close()
+    run.checkpoints.close()
+    raise
 
   final = run_eval()
   writer.write(step, "test", final, final=True)

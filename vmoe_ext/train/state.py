@@ -24,6 +24,10 @@ class TrainState:
       (e.g. "router_state"); `{}` for models without any.
     rng: `uint32[2]` raw key data (`jax.random.key_data`), so the state can be
       checkpointed; per-step keys are `fold_in(wrap_key_data(rng), step)`.
+    nonfinite_count: int32 scalar, number of steps whose loss or gradient was
+      not finite (their updates were skipped, see `commit`).
+    first_nonfinite_step: int32 scalar, the step number (1-based: the value
+      `step` took after it) of the first such step; 0 while there is none.
     tx: the optax transformation (static, not part of the pytree).
   """
   step: Array
@@ -31,6 +35,8 @@ class TrainState:
   opt_state: Any
   collections: Any
   rng: Array
+  nonfinite_count: Array
+  first_nonfinite_step: Array
   tx: optax.GradientTransformation = flax.struct.field(pytree_node=False)
 
   @classmethod
@@ -42,7 +48,9 @@ class TrainState:
     variables.pop("intermediates", None)
     return cls(step=jnp.zeros((), jnp.int32), params=params,
                opt_state=tx.init(params), collections=variables,
-               rng=jax.random.key_data(rng), tx=tx)
+               rng=jax.random.key_data(rng),
+               nonfinite_count=jnp.zeros((), jnp.int32),
+               first_nonfinite_step=jnp.zeros((), jnp.int32), tx=tx)
 
   def step_key(self) -> Array:
     """The typed PRNG key of the current step."""
@@ -50,3 +58,26 @@ class TrainState:
 
   def variables(self) -> dict:
     return {"params": self.params, **self.collections}
+
+  def commit(self, updated: "TrainState", finite: Array) -> "TrainState":
+    """The state after one step: `updated` if `finite`, else this one.
+
+    Traceable (no host sync): `finite` is a bool scalar array. The step always
+    advances; on a non-finite step params, optimizer state and collections
+    stay as they were (selected leaf by leaf with `jnp.where`, so a finite
+    step returns exactly `updated`'s values) and the step is counted in
+    `nonfinite_count` / `first_nonfinite_step`.
+    """
+    keep = lambda new, old: jnp.where(finite, new, old)
+    step = self.step + 1
+    bad = jnp.logical_not(finite)
+    return self.replace(
+        step=step,
+        params=jax.tree.map(keep, updated.params, self.params),
+        opt_state=jax.tree.map(keep, updated.opt_state, self.opt_state),
+        collections=jax.tree.map(keep, updated.collections,
+                                 self.collections),
+        nonfinite_count=self.nonfinite_count + bad.astype(jnp.int32),
+        first_nonfinite_step=jnp.where(
+            bad & (self.nonfinite_count == 0), step,
+            self.first_nonfinite_step).astype(jnp.int32))

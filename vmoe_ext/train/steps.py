@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -41,6 +42,12 @@ def routing_summary(metrics: dict[str, Any],
   return out
 
 
+def accepts_update_state(model: nn.Module) -> bool:
+  """Whether the model's `__call__` takes `update_state` (persistent router
+  state updates); transitional until every model takes it."""
+  return "update_state" in inspect.signature(type(model).__call__).parameters
+
+
 def make_train_step(model: nn.Module, *, label_smoothing: float = 0.0,
                     learning_rate_fn: Callable[[Array], Array] | None = None
                     ) -> Callable[[TrainState, Batch], tuple[TrainState,
@@ -49,9 +56,13 @@ def make_train_step(model: nn.Module, *, label_smoothing: float = 0.0,
 
   The loss is mean cross-entropy plus the model's summed auxiliary loss.
   Non-parameter collections (e.g. router state) are updated with the model's
-  mutations. `metrics["finite"]` is False if the loss or any gradient is not
-  finite; the caller must then discard the returned state (NaN guard).
+  mutations (`update_state=True` when the model takes it). NaN guard on the
+  device: if the loss or the gradient norm is not finite, the update is
+  skipped and counted in the state (`TrainState.commit`); the caller reads
+  `state.nonfinite_count` when it likes (no host sync per step). Safe to jit
+  with `donate_argnums=0`.
   """
+  apply_kwargs = {"update_state": True} if accepts_update_state(model) else {}
 
   def train_step(state: TrainState, batch: Batch):
     key = state.step_key()
@@ -62,7 +73,7 @@ def make_train_step(model: nn.Module, *, label_smoothing: float = 0.0,
       variables = {"params": params, **state.collections}
       out = model.apply(variables, batch["image"], deterministic=False,
                         rngs={"gating": gating, "dropout": dropout},
-                        mutable=mutable or False)
+                        mutable=mutable or False, **apply_kwargs)
       (logits, metrics), new_collections = out if mutable else (out, {})
       ce = jnp.mean(cross_entropy(logits, batch["label"], label_smoothing))
       loss = ce + metrics["auxiliary_loss"]
@@ -74,16 +85,15 @@ def make_train_step(model: nn.Module, *, label_smoothing: float = 0.0,
     params = optax.apply_updates(state.params, updates)
     grad_norm = optax.global_norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    new_state = state.replace(step=state.step + 1, params=params,
-                              opt_state=opt_state,
-                              collections=dict(collections))
+    new_state = state.commit(
+        state.replace(params=params, opt_state=opt_state,
+                      collections=dict(collections)), finite)
     out = {
         "loss": loss,
         "cross_entropy": ce,
         "auxiliary_loss": metrics["auxiliary_loss"],
         "accuracy": jnp.mean(jnp.argmax(logits, -1) == batch["label"]),
         "grad_norm": grad_norm,
-        "finite": finite,
         **routing_summary(metrics),
     }
     if learning_rate_fn is not None:

@@ -1,4 +1,4 @@
-"""Pieces of the robustness report: markdown tables and bar charts (PNG)."""
+"""Pieces of reports: markdown tables and bar charts (PNG)."""
 
 from __future__ import annotations
 

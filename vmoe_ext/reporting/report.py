@@ -10,6 +10,13 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 
+def listify(metrics: Mapping[str, Any]) -> dict[str, Any]:
+  """Arrays to lists (vectors) or Python numbers (scalars), for reports."""
+  return {k: (np.asarray(v).tolist() if np.ndim(v) else
+              (np.asarray(v).item() if hasattr(v, "dtype") else v))
+          for k, v in metrics.items()}
+
+
 def _scalar_rows(metrics: Mapping[str, Any]) -> list[tuple[str, str]]:
   rows = []
   for key in sorted(metrics):
