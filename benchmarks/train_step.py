@@ -41,9 +41,8 @@ from vmoe_ext.train.config_files import load_config  # noqa: E402
 from vmoe_ext.train.optimizer import (make_learning_rate,  # noqa: E402
                                       make_optimizer)
 from vmoe_ext.train.state import TrainState  # noqa: E402
-from vmoe_ext.train.steps import (accepts_update_state,  # noqa: E402
-                                  cross_entropy, make_train_step,
-                                  routing_summary)
+from vmoe_ext.train.steps import (cross_entropy,  # noqa: E402
+                                  make_train_step, routing_summary)
 
 LOG_EVERY = 50
 BATCH = 128
@@ -51,7 +50,7 @@ BATCH = 128
 
 def old_train_step(model, learning_rate_fn):
   """The step before item 7: no guard on the device, `finite` returned."""
-  kwargs = {"update_state": True} if accepts_update_state(model) else {}
+  kwargs = {"update_state": True}
 
   def train_step(state: TrainState, batch):
     gating, dropout = jax.random.split(state.step_key())

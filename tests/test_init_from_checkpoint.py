@@ -283,3 +283,54 @@ def test_dense_vit_initialises_every_expert(tmp_path):
   jax.tree.map(np.testing.assert_array_equal,
                params["encoderblock_1"]["Moe"]["router"],
                fresh["encoderblock_1"]["Moe"]["router"])
+
+
+# ------------------------------------------------- the training job's `init`
+
+
+def _tiny(moe):
+  from vmoe_ext.train.config_files import load_config
+  config = load_config("tiny")
+  config.model.name = "vit" if moe is None else "vit_moe"
+  config.model.moe = moe
+  config.robustness = None
+  config.train.update(dict(total_steps=2, log_every=1, eval_every=0,
+                           checkpoint_every=2))
+  config.optimizer.warmup_steps = 1
+  return config
+
+
+def test_a_training_run_starts_from_a_dense_run(tmp_path):
+  """`init` with the dense->MoE preset: an E=1 V-MoE run starts with the
+  dense run's trained logits, exactly; resuming ignores `init`."""
+  from vmoe_ext.train import loop
+  dense_dir, moe_dir = str(tmp_path / "dense"), str(tmp_path / "moe")
+  loop.train_and_evaluate(_tiny(None), dense_dir)
+  dense = loop.setup(_tiny(None), dense_dir)
+  assert dense.restore() == 2
+  dense.checkpoints.close()
+  config = _tiny(dict(every=1, num_experts=1, capacity_factor=1.0,
+                      group_size=None,
+                      router=dict(name="noisy_topk", num_selected=1,
+                                  renormalize_gates=True)))
+  config.init = dict(workdir=dense_dir, step=None,
+                     rules=init_lib.dense_to_moe_rules())
+  run = loop.setup(config, moe_dir)
+  run.checkpoints.close()
+  images = next(iter(run.eval_batches()))["image"]
+  apply = lambda model, params: jax.jit(
+      lambda p, x: model.apply({"params": p}, x)[0])(params, images)
+  np.testing.assert_array_equal(apply(run.model, run.state.params),
+                                apply(dense.model, dense.state.params))
+  # A bad `init` is a ConfigError naming the field, raised by setup before
+  # anything is compiled.
+  config.init = dict(workdir=str(tmp_path / "nowhere"), step=None,
+                     rules=init_lib.dense_to_moe_rules())
+  with pytest.raises(ConfigError, match=r"init\.workdir"):
+    loop.setup(config, str(tmp_path / "other"))
+  config.init = dict(workdir=dense_dir, step=None,
+                     rules=[(r"(.*)/Moe/Mlp/(.*)", r"\1/Mlp/\2")])
+  config.model.moe.num_experts = 2
+  config.model.moe.hidden_size = 8  # Experts narrower than the dense MLP.
+  with pytest.raises(ConfigError, match=r"init\.rules\[0\]"):
+    loop.setup(config, str(tmp_path / "other"))

@@ -272,6 +272,7 @@ ROBUSTNESS = Section({
 def _check_init(value: dict[str, Any]) -> None:
   require(value["workdir"], "workdir", "must not be empty")
   for i, (target, _) in enumerate(value.get("rules") or ()):
+    require(target is not None, f"rules[{i}][0]", "must be a regex, not None")
     try:
       re.compile(target)
     except re.error as e:
@@ -282,8 +283,10 @@ def _check_init(value: dict[str, Any]) -> None:
 INIT = Section({
     "workdir": Field("str", REQUIRED, doc="the run whose checkpoint to load"),
     "step": Field("int", None, nullable=True, low=0, doc="None: newest"),
-    "rules": Seq(Seq(Field("str"), length=2), (),
-                 doc="(target_regex, source_replacement) pairs"),
+    # Sources may be None (keep the fresh init); initialization.parse_rules
+    # checks each pair's types in detail.
+    "rules": Seq(Seq(Field("str", nullable=True), length=2), (),
+                 doc="(target_regex, source_replacement or None) pairs"),
 }, default=None, nullable=True, check=_check_init)
 
 # ------------------------------------------------------------------------ root

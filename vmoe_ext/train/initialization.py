@@ -308,6 +308,33 @@ def _place(value: np.ndarray, like: Any) -> Any:
   return jnp.asarray(value, dtype=dtype)
 
 
+def _resolve(init_config: Any, params: Any):
+  """Rules, checkpoint and plan, from shapes only (no array data read)."""
+  rules = parse_rules(_get(init_config, "rules"))
+  workdir = _get(init_config, "workdir")
+  state_dir, step = find_checkpoint(workdir, _get(init_config, "step"))
+  try:
+    sources = {p: s for p, (s, _) in ckpt_params.param_shapes(state_dir)
+               .items()}
+  except Exception as e:  # pylint: disable=broad-except
+    raise ConfigError("init.step", f"the checkpoint at step {step} "
+                      f"({state_dir}) is unreadable: {e}") from e
+  flat = _flatten(params)
+  targets = {p: tuple(getattr(leaf, "shape", None) or np.shape(leaf))
+             for p, leaf in flat.items()}
+  return workdir, state_dir, step, sources, flat, plan(rules, targets,
+                                                       sources)
+
+
+def check_init(init_config: Any, params: Any) -> None:
+  """Raises the errors `load_init_params` would, reading no array data.
+
+  `params` may be abstract (`jax.eval_shape(model.init, ...)["params"]`), so
+  a bad `init` section is reported before anything is compiled.
+  """
+  _resolve(init_config, params)
+
+
 def load_init_params(init_config: Any, params: Any) -> tuple[Any, InitReport]:
   """The new model's params with values from another run's checkpoint.
 
@@ -327,19 +354,9 @@ def load_init_params(init_config: Any, params: Any) -> tuple[Any, InitReport]:
     ConfigError naming `init.rules[i]`, `init.workdir` or `init.step`; see
     the module docstring.
   """
-  rules = parse_rules(_get(init_config, "rules"))
-  workdir = _get(init_config, "workdir")
-  state_dir, step = find_checkpoint(workdir, _get(init_config, "step"))
-  try:
-    sources = {p: s for p, (s, _) in ckpt_params.param_shapes(state_dir)
-               .items()}
-  except Exception as e:  # pylint: disable=broad-except
-    raise ConfigError("init.step", f"the checkpoint at step {step} "
-                      f"({state_dir}) is unreadable: {e}") from e
-  flat = _flatten(params)
-  targets = {p: tuple(getattr(leaf, "shape", None) or np.shape(leaf))
-             for p, leaf in flat.items()}
-  loaded, tiled, fresh, unmatched, shadowed = plan(rules, targets, sources)
+  workdir, state_dir, step, sources, flat, resolved = _resolve(init_config,
+                                                               params)
+  loaded, tiled, fresh, unmatched, shadowed = resolved
   try:
     values = ckpt_params.read_params(state_dir, set(loaded.values()))
   except Exception as e:  # pylint: disable=broad-except
@@ -356,5 +373,6 @@ def load_init_params(init_config: Any, params: Any) -> tuple[Any, InitReport]:
   return _rebuild(params, new_leaves), report
 
 
-__all__ = ["InitReport", "Rule", "dense_to_moe_rules", "find_checkpoint",
+__all__ = ["InitReport", "Rule", "check_init", "dense_to_moe_rules",
+           "find_checkpoint",
            "identity_rules", "load_init_params", "parse_rules", "plan"]

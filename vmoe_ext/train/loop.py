@@ -20,6 +20,7 @@ from vmoe_ext.models import build_model
 from vmoe_ext.reporting.report import listify, write_report
 from vmoe_ext.reporting.writers import MetricWriter, progress_bar, read_metrics
 from vmoe_ext.train.checkpoints import CheckpointManager, config_fingerprint
+from vmoe_ext.train.initialization import check_init, load_init_params
 from vmoe_ext.train.optimizer import make_learning_rate, make_optimizer
 from vmoe_ext.train.state import TrainState
 from vmoe_ext.train.steps import evaluate, make_eval_step, make_train_step
@@ -97,7 +98,14 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
                               mean=mean, std=std))["image"]
   validate_shapes(config, model, sample.shape)
   init_key, state_key = jax.random.split(jax.random.key(config.seed))
+  init = config.get("init")
+  if init is not None:  # Checked on shapes, before compiling model.init.
+    check_init(init, jax.eval_shape(model.init, init_key, sample)["params"])
   variables = jax.jit(model.init)(init_key, sample)
+  if init is not None:
+    params, report = load_init_params(init, variables["params"])
+    log.warning("%s", report.summary())
+    variables = {**variables, "params": params}
   state = TrainState.create(variables, make_optimizer(config.optimizer),
                             state_key)
   checkpoints = CheckpointManager(

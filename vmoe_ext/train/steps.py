@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -42,12 +41,6 @@ def routing_summary(metrics: dict[str, Any],
   return out
 
 
-def accepts_update_state(model: nn.Module) -> bool:
-  """Whether the model's `__call__` takes `update_state` (persistent router
-  state updates); transitional until every model takes it."""
-  return "update_state" in inspect.signature(type(model).__call__).parameters
-
-
 def make_train_step(model: nn.Module, *, label_smoothing: float = 0.0,
                     learning_rate_fn: Callable[[Array], Array] | None = None
                     ) -> Callable[[TrainState, Batch], tuple[TrainState,
@@ -56,13 +49,12 @@ def make_train_step(model: nn.Module, *, label_smoothing: float = 0.0,
 
   The loss is mean cross-entropy plus the model's summed auxiliary loss.
   Non-parameter collections (e.g. router state) are updated with the model's
-  mutations (`update_state=True` when the model takes it). NaN guard on the
+  mutations (the model is applied with `update_state=True`). NaN guard on the
   device: if the loss or the gradient norm is not finite, the update is
   skipped and counted in the state (`TrainState.commit`); the caller reads
   `state.nonfinite_count` when it likes (no host sync per step). Safe to jit
   with `donate_argnums=0`.
   """
-  apply_kwargs = {"update_state": True} if accepts_update_state(model) else {}
 
   def train_step(state: TrainState, batch: Batch):
     key = state.step_key()
@@ -73,7 +65,7 @@ def make_train_step(model: nn.Module, *, label_smoothing: float = 0.0,
       variables = {"params": params, **state.collections}
       out = model.apply(variables, batch["image"], deterministic=False,
                         rngs={"gating": gating, "dropout": dropout},
-                        mutable=mutable or False, **apply_kwargs)
+                        mutable=mutable or False, update_state=True)
       (logits, metrics), new_collections = out if mutable else (out, {})
       ce = jnp.mean(cross_entropy(logits, batch["label"], label_smoothing))
       loss = ce + metrics["auxiliary_loss"]
