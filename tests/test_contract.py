@@ -299,3 +299,46 @@ def test_v2_router_and_stream_checkpoint_and_resume_bit_identically(
   ema = states[0].collections["router_state"]["encoderblock_1"]["Moe"][
       "router"]["ema"]
   assert np.abs(np.asarray(ema)).sum() > 0  # Trained state, checkpointed.
+
+
+def test_stream_blocks_moe_or_all(probe_components):
+  """`blocks="moe"` leaves dense blocks plain; `"all"` routes them through
+  the stream; a stream at coefficient 0 is exactly the plain residual."""
+  base = dict(name="vit", num_classes=3, patch_size=(4, 4), hidden_size=8,
+              num_layers=3, num_heads=2, mlp_dim=8)
+  images = jax.random.uniform(jax.random.key(0), (2, 8, 8, 1))
+  plain = build_model(base)
+  variables = plain.init(jax.random.key(1), images)
+  # The head starts at zero; give it weights so logits see the encoder.
+  head = variables["params"]["head"]
+  head["kernel"] = jax.random.normal(jax.random.key(2), head["kernel"].shape)
+  expected = plain.apply(variables, images)[0]
+
+  def logits(**stream):
+    model = build_model(dict(base, stream={"name": "extrapolated", **stream}))
+    return model.apply(variables, images)[0]
+
+  np.testing.assert_array_equal(logits(blocks="moe", coefficient=3.0),
+                                expected)
+  np.testing.assert_array_equal(logits(blocks="all", coefficient=0.0),
+                                expected)
+  assert not np.allclose(logits(blocks="all", coefficient=3.0), expected)
+
+
+def test_a_stream_must_make_exactly_one_primary_call(probe_components):
+  class TwoPrimaries(ResidualStream):
+    def __call__(self, x, ffn, state, *, ctx, is_moe):
+      ffn(x)
+      f, _ = ffn(x)
+      return x + f, state
+
+  STREAMS.entries["two_primaries"] = TwoPrimaries
+  try:
+    model = build_model(dict(
+        name="vit_moe", num_classes=3, patch_size=(4, 4), hidden_size=8,
+        num_layers=2, num_heads=2, mlp_dim=8,
+        moe=dict(every=1, num_experts=2), stream={"name": "two_primaries"}))
+    with pytest.raises(ValueError, match="2 primary"):
+      model.init(jax.random.key(0), jnp.zeros((1, 8, 8, 1)))
+  finally:
+    del STREAMS.entries["two_primaries"]

@@ -46,12 +46,12 @@ def state_directory(directory: str, step: int) -> str:
   return os.path.join(directory, str(step), STATE)
 
 
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
   """Nested mappings to `{"a/b/c": leaf}`; empty mappings vanish."""
   if isinstance(tree, Mapping):
     out: dict[str, Any] = {}
     for key, value in tree.items():
-      out.update(_flatten(value, f"{prefix}{key}/"))
+      out.update(flatten(value, f"{prefix}{key}/"))
     return out
   return {prefix[:-1]: tree}
 
@@ -76,7 +76,7 @@ def _params_metadata(state_dir: str) -> dict[str, Any]:
   tree = getattr(metadata, "tree", metadata)
   if not isinstance(tree, Mapping) or PARAMS not in tree:
     raise ValueError(f"{state_dir} holds no '{PARAMS}' entry")
-  return _flatten(tree[PARAMS])
+  return flatten(tree[PARAMS])
 
 
 def param_shapes(state_dir: str) -> dict[str, tuple[tuple[int, ...], Any]]:
@@ -127,7 +127,7 @@ def read_params(state_dir: str,
                                     partial_restore=True))
   finally:
     handler.close()
-  flat = _flatten(restored[PARAMS])
+  flat = flatten(restored[PARAMS])
   return {p: np.asarray(flat[p]) for p in paths}
 
 

@@ -280,15 +280,6 @@ def find_checkpoint(workdir: Any, step: Any) -> tuple[str, int]:
   return ckpt_params.state_directory(directory, int(step)), int(step)
 
 
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-  if isinstance(tree, Mapping):
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-      out.update(_flatten(value, f"{prefix}{key}/"))
-    return out
-  return {prefix[:-1]: tree}
-
-
 def _rebuild(tree: Any, leaves: Mapping[str, Any], prefix: str = "") -> Any:
   """`tree` with the leaves at the paths in `leaves` replaced (new dicts)."""
   if isinstance(tree, Mapping):
@@ -319,7 +310,7 @@ def _resolve(init_config: Any, params: Any):
   except Exception as e:  # pylint: disable=broad-except
     raise ConfigError("init.step", f"the checkpoint at step {step} "
                       f"({state_dir}) is unreadable: {e}") from e
-  flat = _flatten(params)
+  flat = ckpt_params.flatten(params)
   targets = {p: tuple(getattr(leaf, "shape", None) or np.shape(leaf))
              for p, leaf in flat.items()}
   return workdir, state_dir, step, sources, flat, plan(rules, targets,
