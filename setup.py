@@ -40,7 +40,10 @@ setup(
         # Reading TFDS datasets prepared as array_record (no TensorFlow needed;
         # tfrecord-prepared datasets also need `pip install tensorflow-cpu`).
         "tfds": ["tensorflow-datasets>=4.9.10", "pillow>=10"],
-        "dev": ["pytest>=8", "hypothesis>=6.100",
+        # pytest-xdist: the suite runs its test files in parallel workers
+        # (pyproject's addopts), one file per worker so that module fixtures
+        # are built once.
+        "dev": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100",
                 "tensorflow-datasets>=4.9.10", "pillow>=10",
                 # FGSM/PGD oracle of tests/test_attacks.py.
                 "foolbox>=3.3.4"],
