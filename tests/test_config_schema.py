@@ -390,6 +390,8 @@ def test_binary_bad_input_exits_2_without_traceback(tmp_path):
       (["--config.data.batch_size=abc"], "config error: data.batch_size: "),
       (["--config.model.moe.router.num_selected=5"],
        "config error: model.moe.router.num_selected: "),
+      (["--config.model.patch_size=(0,0)"],
+       "config error: model.patch_size: "),
       (["--config=configs/nope.py"], "config error: --config: "),
       (["--workdir="], "config error: --workdir: "),
       ([f"--workdir={a_file}"], "config error: --workdir: "),

@@ -199,6 +199,12 @@ def test_moe_placement_errors(args, field):
      "model.moe.router.name"),
     (dict(MODELS["vit"], classifier="cls"), "classifier"),
     (dict(MODELS["vit"], num_heads=3), "num_heads"),
+    (dict(MODELS["vit"], num_heads=0), "num_heads: must be a positive"),
+    (dict(MODELS["vit"], hidden_size=0), "hidden_size: must be a positive"),
+    (dict(MODELS["vit"], mlp_dim=0), "mlp_dim: must be a positive"),
+    (dict(MODELS["vit"], num_layers=0), "num_layers: must be a positive"),
+    (dict(MODELS["vit"], patch_size=(0, 0)), "patch_size: must be two"),
+    (dict(MODELS["vit"], patch_size=(4,)), "patch_size: must be two"),
     (dict(MODELS["vit"], dropout_rate=-0.1), "dropout_rate"),
 ])
 def test_model_config_errors_are_raised_at_construction(cfg, field):

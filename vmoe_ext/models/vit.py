@@ -219,6 +219,16 @@ class VisionTransformerMoe(nn.Module):
             f"must be positive, got {self.num_classes}")
     require(self.classifier in CLASSIFIERS, "classifier",
             f"must be one of {CLASSIFIERS}, got {self.classifier!r}")
+    for field in ("hidden_size", "num_layers", "num_heads", "mlp_dim"):
+      value = getattr(self, field)
+      require(isinstance(value, int) and value > 0, field,
+              f"must be a positive integer, got {value!r}")
+    patch = tuple(self.patch_size) if isinstance(
+        self.patch_size, (tuple, list)) else None
+    require(patch is not None and len(patch) == 2
+            and all(isinstance(p, int) and p > 0 for p in patch),
+            "patch_size", f"must be two positive integers (ph, pw), got "
+            f"{self.patch_size!r}")
     require(self.hidden_size % self.num_heads == 0, "num_heads",
             f"{self.num_heads} heads do not divide hidden_size "
             f"{self.hidden_size}")
