@@ -392,6 +392,7 @@ def test_binary_bad_input_exits_2_without_traceback(tmp_path):
        "config error: model.moe.router.num_selected: "),
       (["--config.model.patch_size=(0,0)"],
        "config error: model.patch_size: "),
+      (["--config.model.num_classes=3"], "config error: model.num_classes: "),
       (["--config=configs/nope.py"], "config error: --config: "),
       (["--workdir="], "config error: --workdir: "),
       ([f"--workdir={a_file}"], "config error: --workdir: "),

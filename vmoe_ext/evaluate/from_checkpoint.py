@@ -108,7 +108,8 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict,
                                  mean=mean, std=std)
   image_shape = next(batches())["image"].shape
   model = build_model(config.model)
-  validate_shapes(config, model, image_shape)
+  validate_shapes(config, model, image_shape,
+                  num_classes=getattr(test, "num_classes", None))
   state, step = restore_for_eval(config, model, image_shape, source)
   os.makedirs(workdir, exist_ok=True)
   writer = MetricWriter(workdir)

@@ -96,7 +96,8 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
                               config.seed,
                               image_size=config.data.get("image_size"),
                               mean=mean, std=std))["image"]
-  validate_shapes(config, model, sample.shape)
+  validate_shapes(config, model, sample.shape,
+                  num_classes=datasets["train"].num_classes)
   init_key, state_key = jax.random.split(jax.random.key(config.seed))
   init = config.get("init")
   if init is not None:  # Checked on shapes, before compiling model.init.
@@ -164,8 +165,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
       resuming gives the same result as an uninterrupted run.
   """
   start = time.time()
+  run = setup(config, workdir)  # Bad config or data: nothing written yet.
   os.makedirs(workdir, exist_ok=True)
-  run = setup(config, workdir)
   resumed = run.restore()
   if resumed is not None:
     log.warning("Resuming from the checkpoint of step %d in %s", resumed,

@@ -3,14 +3,16 @@
 `validate_config` checks the config against its schema
 (`vmoe_ext.config.sections`: unknown fields at any depth, types, NaN/inf,
 ranges, the components' own checks) plus what spans sections;
-`validate_shapes` checks what depends on the data's image shape (patches,
-routing groups of train and eval batches) once the data is loaded, still
-before tracing the model. Every `ConfigError` names the full dotted path.
+`validate_shapes` checks what depends on the data (patches and routing groups
+against the image shape, the classifier against the number of classes) once
+the data is loaded, still before tracing the model. Every `ConfigError` names the full dotted path.
 The robustness section's evaluation datasets are checked by
 `vmoe_ext.evaluate.robustness.robustness_config` (the binary calls it).
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import ml_collections
 
@@ -41,8 +43,14 @@ def num_tokens(model, image_shape: tuple[int, ...]) -> int:
 
 
 def validate_shapes(config: ml_collections.ConfigDict, model,
-                    image_shape: tuple[int, ...]) -> None:
-  """Checks patches and routing groups against the data's image shape."""
+                    image_shape: tuple[int, ...],
+                    num_classes: Optional[int] = None) -> None:
+  """Checks patches and routing groups against the data's image shape and,
+  when given, `model.num_classes` against the dataset's number of classes."""
+  if num_classes is not None:
+    require(model.num_classes >= num_classes, "model.num_classes",
+            f"{model.num_classes} is smaller than the dataset's "
+            f"{num_classes} classes (labels would fall outside the logits)")
   _, h, w, _ = image_shape
   ph, pw = model.patch_size
   require(h % ph == 0 and w % pw == 0, "model.patch_size",
