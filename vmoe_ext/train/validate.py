@@ -5,7 +5,8 @@
 ranges, the components' own checks) plus what spans sections;
 `validate_shapes` checks what depends on the data (patches and routing groups
 against the image shape, the classifier against the number of classes) once
-the data is loaded, still before tracing the model. Every `ConfigError` names the full dotted path.
+the data is loaded, still before tracing the model. Every `ConfigError` names
+the full dotted path.
 The robustness section's evaluation datasets are checked by
 `vmoe_ext.evaluate.robustness.robustness_config` (the binary calls it).
 """
