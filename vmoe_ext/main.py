@@ -11,12 +11,19 @@ that training workdir's newest checkpoint. Outputs in WORKDIR:
 `metrics.jsonl`, `report.md`, PNG plots, `checkpoints/`, `tensorboard/`. A
 workdir holding a checkpoint of the same config resumes it.
 
-Bad input exits with status 2 and one line on stderr, no traceback:
-`config error: FIELD: message`, FIELD being the full dotted path of a config
-field (`model.moe.router.num_selected`, `robustness.attacks[1].eps`) or the
-flag (`--config` for a missing or broken config file, `--workdir`). Data
-handed to a metric in a wrong shape prints `error: ...` and exits with 1.
-Anything else is a bug and keeps its traceback.
+Exit status, one per kind, each with one paragraph on stderr and no
+traceback (unless `--debug`):
+
+  0    the run finished (or was already finished).
+  1    a failure at run time: `error: ...` (training diverged, no readable
+       checkpoint, a full disk or unwritable file, data of a wrong shape, or an
+       unexpected error, whose traceback is saved to WORKDIR/error.txt).
+  2    invalid input: `config error: FIELD: message`, FIELD being the full
+       dotted path of a config field (`model.moe.router.num_selected`,
+       `robustness.attacks[1].eps`) or the flag (`--config` for a missing or
+       broken config file, `--workdir`), before anything is compiled.
+  143  stopped by SIGTERM (preemption): a checkpoint was saved at the step
+       boundary; re-running the same command resumes bit-identically.
 """
 
 from __future__ import annotations
@@ -24,19 +31,21 @@ from __future__ import annotations
 import os
 import re
 import sys
+import traceback
 from typing import NoReturn, Sequence
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 from vmoe_ext.errors import ConfigError, InputError
-from vmoe_ext.train.config_files import (CONFIG_DIR, check_overrides,
-                                         load_config_flag)
+from vmoe_ext.train.config_files import CONFIG_DIR, load_config_flag
 
 FLAGS = flags.FLAGS
 DEFAULT_CONFIG = os.path.join(CONFIG_DIR, "default.py")
+PREEMPTED = 143  # 128 + SIGTERM, as if the signal had ended the process.
 flags.DEFINE_string("workdir", os.path.join(".", "runs", "default"),
                     "Directory for checkpoints, metrics, plots and report.")
+flags.DEFINE_bool("debug", False, "Show the traceback of any error.")
 
 
 def _fail(message: str, status: int = 2) -> NoReturn:
@@ -44,31 +53,40 @@ def _fail(message: str, status: int = 2) -> NoReturn:
   sys.exit(status)
 
 
-def _config_value(argv: Sequence[str]) -> str:
-  """The last `--config=FILE[:ARG]` (or `--config FILE`) of `argv`."""
-  value = DEFAULT_CONFIG
+def _split_config_flag(argv: Sequence[str]) -> tuple[str, list[str]]:
+  """The last `--config=FILE[:ARG]` (or `--config FILE`) of `argv`, and
+  `argv` without those flags."""
+  value, rest = DEFAULT_CONFIG, []
+  skip = False
   for i, a in enumerate(argv):
-    if a.startswith("--config="):
+    if skip:
+      skip = False
+    elif a.startswith("--config="):
       value = a[len("--config="):]
     elif a == "--config" and i + 1 < len(argv):
-      value = argv[i + 1]
-  return value
+      value, skip = argv[i + 1], True
+    else:
+      rest.append(a)
+  return value, rest
 
 
 def parse_flags(argv: list[str]) -> list[str]:
   """`app.run`'s flag parser: config problems exit 2 without a traceback.
 
-  The config file is loaded and the `--config.FIELD` overrides are checked
-  here first, so that a missing file or an unknown field is one clear line
-  (ml_collections would raise while defining the flag).
+  The config file is loaded here and every `--config.FIELD` override checked
+  against the schema (`vmoe_ext.config.overrides`), so a missing file or an
+  unknown field is one clear line and every documented field can be set,
+  also one the file leaves out or sets to None.
   """
+  from vmoe_ext.config.overrides import prepare_overrides
   try:
-    check_overrides(load_config_flag(_config_value(argv)), argv)
-    config_flags.DEFINE_config_file(
-        "config", DEFAULT_CONFIG,
+    value, rest = _split_config_flag(argv)
+    config = prepare_overrides(load_config_flag(value), rest)
+    config_flags.DEFINE_config_dict(
+        "config", config,
         "Config file (configs/FILE.py[:ARG]); fields can be overridden with "
-        "--config.FIELD=VALUE.", lock_config=True, sys_argv=list(argv))
-    return FLAGS(argv)
+        "--config.FIELD=VALUE.", lock_config=True, sys_argv=rest)
+    return FLAGS(rest)
   except ConfigError as e:
     _fail(f"config error: {e}")
   except flags.Error as e:
@@ -80,45 +98,84 @@ def parse_flags(argv: list[str]) -> list[str]:
     _fail(f"error: {e}\nPass --helpfull to see the flags.")
 
 
-def check_workdir(workdir: str) -> None:
-  """ConfigError("--workdir") unless `workdir` can be (or is) a directory."""
-  if not workdir:
-    raise ConfigError("--workdir", "is empty; give a directory for the run")
-  if os.path.exists(workdir) and not os.path.isdir(workdir):
-    raise ConfigError("--workdir", f"{workdir!r} exists and is not a "
-                      "directory")
+def _unexpected(error: BaseException, workdir: str) -> NoReturn:
+  """A bug: one paragraph on stderr, the traceback in a file."""
+  text = "".join(traceback.format_exception(error))
+  where = os.path.join(workdir, "error.txt")
+  try:
+    with open(where, "w", encoding="utf-8") as f:
+      f.write(text)
+  except OSError:
+    where = None
+  saved = (f"the traceback is in {where}" if where else "the traceback could "
+           "not be saved")
+  _fail(f"error: unexpected {type(error).__name__}: {error}. This is a bug "
+        f"in vmoe_ext; {saved}, or re-run with --debug to see it.", status=1)
+
+
+def run(config, workdir: str) -> str:
+  """Validates everything, then trains or evaluates into `workdir`; returns
+  the report's path."""
+  # Heavy imports here, after flag parsing.
+  from vmoe_ext.evaluate.from_checkpoint import (evaluate_checkpoint,
+                                                 output_dir)
+  from vmoe_ext.evaluate.robustness import (after_training_hook,
+                                            robustness_config)
+  from vmoe_ext.train.loop import train_and_evaluate
+  from vmoe_ext.train.validate import validate_config
+  from vmoe_ext.train.workdir import check_workdir
+
+  validate_config(config)  # Everything, before any data or compilation.
+  robustness = config.get("robustness")
+  if robustness is not None:
+    robustness_config(robustness)  # Also its evaluation datasets.
+  if robustness is not None and robustness.get("checkpoint_dir") is not None:
+    out = output_dir(workdir) if workdir else workdir
+    check_workdir(out)
+    evaluate_checkpoint(config, workdir)  # Evaluation only.
+    return os.path.join(out, "report.md")
+  check_workdir(workdir)
+  hook = None if robustness is None else after_training_hook(config, workdir)
+  train_and_evaluate(config, workdir, after_training=hook,
+                     handle_sigterm=True)
+  return os.path.join(workdir, "report.md")
 
 
 def main(argv) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  # Heavy imports here, after flag parsing.
-  from vmoe_ext.evaluate.from_checkpoint import evaluate_checkpoint
-  from vmoe_ext.evaluate.robustness import (after_training_hook,
-                                            robustness_config)
-  from vmoe_ext.train.loop import train_and_evaluate
-  from vmoe_ext.train.validate import validate_config
+  from vmoe_ext.train.checkpoints import CheckpointError
+  from vmoe_ext.train.loop import NonFiniteError, Preempted
 
   logging.set_verbosity(logging.WARNING)
   config, workdir = FLAGS.config, FLAGS.workdir
-  robustness = config.get("robustness")
   try:
-    check_workdir(workdir)
-    validate_config(config)  # Everything, before any data or compilation.
-    if robustness is not None:
-      robustness_config(robustness)  # Also its evaluation datasets.
-    if robustness is not None and robustness.get("checkpoint_dir"):
-      evaluate_checkpoint(config, workdir)  # Evaluation only.
-    else:
-      hook = None if robustness is None else after_training_hook(config,
-                                                                 workdir)
-      train_and_evaluate(config, workdir, after_training=hook)
+    report = run(config, workdir)
   except ConfigError as e:
+    if FLAGS.debug:
+      raise
     _fail(f"config error: {e}")
-  except InputError as e:
+  except Preempted as e:
+    print(f"stopped: {e}", file=sys.stderr)
+    sys.exit(PREEMPTED)
+  except (InputError, NonFiniteError, CheckpointError) as e:
+    if FLAGS.debug:
+      raise
     _fail(f"error: {e}", status=1)
-  with open(os.path.join(FLAGS.workdir, "report.md")) as f:
-    print(f.read())
+  except OSError as e:
+    if FLAGS.debug:
+      raise
+    name = f" ({e.filename})" if getattr(e, "filename", None) else ""
+    _fail(f"error: {e.strerror or e}{name}. Nothing was lost before the last "
+          "checkpoint: fix the cause (e.g. free disk space) and re-run the "
+          "same command to resume.", status=1)
+  except Exception as e:  # pylint: disable=broad-except
+    if FLAGS.debug:
+      raise
+    _unexpected(e, workdir)
+  if os.path.exists(report):
+    with open(report, encoding="utf-8") as f:
+      print(f.read())
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ dotted path as the user wrote it (`model.moe.router.num_selected`,
 * missing required fields;
 * wrong types: a string where an int belongs, a bool where a number belongs
   (bool is not an int here), a float where an int belongs;
-* NaN or infinite floats;
+* NaN or infinite floats, and finite ones beyond float32's range;
 * values out of a declared range or not among the declared choices.
 
 A section's fields may depend on its value (`fields` is then a function of
@@ -46,6 +46,7 @@ class _Required:
 
 
 REQUIRED: Any = _Required()
+FLOAT32_MAX = 3.4028234663852886e38  # numpy.finfo(numpy.float32).max
 KINDS = ("int", "float", "bool", "str", "mapping", "any")
 _DESCRIPTIONS = {"int": "an integer", "float": "a finite number",
                  "bool": "a bool (True or False)", "str": "a string",
@@ -58,7 +59,7 @@ class Field:
 
   Attributes:
     kind: one of `KINDS`. "float" accepts integers; "int" rejects floats and
-      bools; floats must be finite.
+      bools; floats must be finite and within float32's range.
     default: the value when absent (None: the component's default), or
       `REQUIRED`.
     nullable: None is allowed.
@@ -161,6 +162,10 @@ def _check_field(spec: Field, value: Any, path: str) -> None:
       raise ConfigError(path, f"must be a number, {_got(value)}")
     if not math.isfinite(float(value)):
       raise ConfigError(path, f"must be finite, got {value!r}")
+    if abs(float(value)) > FLOAT32_MAX:
+      raise ConfigError(path, f"{value!r} overflows float32 (largest finite "
+                        f"value {FLOAT32_MAX:.4g}); it would become inf on "
+                        "the device")
   elif kind == "bool":
     if not isinstance(value, bool):
       raise ConfigError(path, f"must be True or False, {_got(value)}")

@@ -254,6 +254,12 @@ CORRUPTIONS = Section({
     "num_examples": Field("int", None, nullable=True, low=1),
 }, default=None, nullable=True)
 
+def _check_robustness(value: dict[str, Any]) -> None:
+  require(value.get("checkpoint_dir") != "", "checkpoint_dir",
+          "is empty; give the workdir of the training run to evaluate, or "
+          "leave it None to train")
+
+
 ROBUSTNESS = Section({
     "num_examples": Field("int", None, nullable=True, low=1),
     "attacks": Seq(ATTACK, ()),
@@ -264,7 +270,7 @@ ROBUSTNESS = Section({
     "seed": Field("int", 0, low=0),
     "checkpoint_dir": Field("str", None, nullable=True,
                             doc="set: only evaluate that run's checkpoint"),
-}, default=None, nullable=True)
+}, default=None, nullable=True, check=_check_robustness)
 
 # ------------------------------------------------------------------------ init
 

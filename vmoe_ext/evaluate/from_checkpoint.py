@@ -30,6 +30,7 @@ from vmoe_ext.train.checkpoints import CheckpointManager, config_fingerprint
 from vmoe_ext.train.state import TrainState
 from vmoe_ext.train.steps import evaluate, make_eval_step
 from vmoe_ext.train.validate import validate_config, validate_shapes
+from vmoe_ext.train.workdir import WorkdirLock
 
 
 def load_test_split(data: ml_collections.ConfigDict) -> ArrayDataset:
@@ -81,10 +82,31 @@ def restore_for_eval(config: ml_collections.ConfigDict, model: nn.Module,
   return state, step
 
 
+EVALUATION_DIR = "evaluation"
+
+
+def output_dir(workdir: str) -> str:
+  """Where an evaluation writes: `workdir`, or `workdir/evaluation` when
+  `workdir` holds a training run (its checkpoints or training metrics), so
+  that evaluation never touches a training record."""
+  if not os.path.isdir(workdir):
+    return workdir  # Created by the evaluation (or rejected: a file).
+  if os.path.isdir(os.path.join(workdir, "checkpoints")):
+    return os.path.join(workdir, EVALUATION_DIR)
+  try:
+    records = read_metrics(workdir)
+  except FileNotFoundError:
+    return workdir
+  except ValueError:  # A malformed record is not ours to overwrite.
+    return os.path.join(workdir, EVALUATION_DIR)
+  train = any(r.get("split") == "train" for r in records)
+  return os.path.join(workdir, EVALUATION_DIR) if train else workdir
+
+
 def evaluate_checkpoint(config: ml_collections.ConfigDict,
                         workdir: str) -> dict[str, Any]:
   """Restores `config.robustness.checkpoint_dir`'s newest checkpoint and writes
-  the clean and robustness evaluations to `workdir`.
+  the clean and robustness evaluations to `output_dir(workdir)`.
 
   The config must describe the same model and data as the training run (the
   checkpoint's fingerprint is checked).
@@ -111,22 +133,24 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict,
   validate_shapes(config, model, image_shape,
                   num_classes=getattr(test, "num_classes", None))
   state, step = restore_for_eval(config, model, image_shape, source)
-  os.makedirs(workdir, exist_ok=True)
-  writer = MetricWriter(workdir)
-  writer.truncate(-1)  # A fresh evaluation: drop any earlier lines here.
-  final = evaluate(jax.jit(make_eval_step(model)), state, batches())
-  writer.write(step, "test", final, final=True)
-  sections = evaluate_robustness(
-      model, state.variables(), test, config.data,
-      config.robustness, batch_size=config.data.eval_batch_size,
-      writer=writer, step=step, workdir=workdir)
-  writer.close()
+  out = output_dir(workdir)
+  with WorkdirLock(out), MetricWriter(out) as writer:
+    # A fresh evaluation: drops earlier evaluation lines (never training
+    # lines: a training workdir's evaluation goes to its own folder).
+    writer.truncate(keep_lines=0)
+    final = evaluate(jax.jit(make_eval_step(model)), state, batches())
+    writer.write(step, "test", final, final=True)
+    sections = evaluate_robustness(
+        model, state.variables(), test, config.data,
+        config.robustness, batch_size=config.data.eval_batch_size,
+        writer=writer, step=step, workdir=out)
   final = listify(final)
   final["step"] = step
-  write_report(workdir, final_metrics=final, records=read_metrics(workdir),
+  write_report(out, final_metrics=final, records=read_metrics(out),
                config_summary=config.to_dict(),
                wall_seconds=time.time() - start,
                extra_sections=[f"Evaluated checkpoint: step {step} of "
                                f"`{os.path.abspath(source)}`."] + sections,
                title="Robustness evaluation report")
   return final
+

@@ -31,7 +31,8 @@ from vmoe_ext.evaluate.datasets import check_datasets, evaluate_datasets
 from vmoe_ext.evaluate.evaluator import Evaluator, clean_accuracy
 from vmoe_ext.evaluate.metrics import routing_change_rate
 from vmoe_ext.reporting.report_parts import bar_chart, markdown_table
-from vmoe_ext.reporting.writers import MetricWriter, progress_bar
+from vmoe_ext.reporting.writers import (MetricWriter, progress_bar,
+                                       progress_line)
 
 DEFAULTS: dict[str, Any] = {
     "num_examples": None,   # first N test examples (None: all)
@@ -112,7 +113,12 @@ def attack_metrics(evaluator: Evaluator, dataset: ArrayDataset,
         _accumulate(total, f"{layer}/routing_change_rate",
                     routing_change_rate(m[mask], masks_adv[block][mask]), n)
       bar.update(1)
-  return {k: s / max(w, 1.0) for k, (s, w) in total.items()}
+    result = {k: s / max(w, 1.0) for k, (s, w) in total.items()}
+    if "accuracy" in result:
+      progress_line(bar, f"{desc}: accuracy {result['accuracy']:.4f} (clean "
+                    f"{result['clean_accuracy']:.4f}) on {len(dataset)} "
+                    "examples")
+  return result
 
 
 def _plot_sweep(eps: Sequence[float], acc: Sequence[float],
@@ -220,6 +226,8 @@ def evaluate_robustness(model: nn.Module, variables: Mapping[str, Any],
           table[name][severity] = clean_accuracy(evaluator, corrupted,
                                                  batch_size)
           bar.update(1)
+        progress_line(bar, f"corruption {name}: accuracy per severity "
+                      + ", ".join(f"{table[name][s]:.3f}" for s in severities))
     errors = corruption_errors(table)
     per_corruption = {n: float(np.mean(list(table[n].values())))
                       for n in names}

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Optional
 
 import jax
 import numpy as np
@@ -146,25 +146,39 @@ class MetricWriter:
     self._file.write(json.dumps(record) + "\n")
     self._file.flush()
     if self._tb is not None:
-      for name, value in record.items():
-        if name in RESERVED:
-          continue
-        for tag, scalar in _tb_scalars(name, value):
-          self._tb.add_scalar(f"{split}/{tag}", scalar, global_step=step)
+      self._write_tensorboard(record)
 
-  def truncate(self, after_step: int) -> None:
-    """Drops the lines of `metrics.jsonl` whose step is > `after_step`.
+  def num_lines(self) -> int:
+    """The number of complete records in `metrics.jsonl` (0 elsewhere)."""
+    if not self._enabled:
+      return 0
+    self._file.flush()
+    return len(read_metrics(self.workdir))
 
-    For a resumed run: the lines a killed run wrote after its last
-    checkpoint are written again by the resumed one. (TensorBoard shows the
-    newest value per step, so its events are left as they are.)
+  def truncate(self, after_step: Optional[int] = None, *,
+               keep_lines: Optional[int] = None) -> None:
+    """Drops records so the record is what it was at a checkpoint.
+
+    Keeps the first `keep_lines` records (what a checkpoint recorded with
+    `num_lines`), or, without it, the records whose step is <= `after_step`.
+    TensorBoard's event files are rewritten from the kept records, so they
+    show the same points as `metrics.jsonl`, none twice.
+
+    For a resumed run: what a killed run wrote after its last checkpoint is
+    written again by the resumed one.
     """
     if self._closed:
       raise ValueError(f"MetricWriter for {self.workdir} is closed")
+    if (after_step is None) == (keep_lines is None):
+      raise ValueError("give exactly one of after_step and keep_lines")
     if not self._enabled:
       return
     self._file.flush()
-    kept = [r for r in read_metrics(self.workdir) if r["step"] <= after_step]
+    records = read_metrics(self.workdir)
+    if keep_lines is not None:
+      kept = records[:keep_lines]
+    else:
+      kept = [r for r in records if r["step"] <= after_step]
     self._file.close()
     tmp = self.path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
@@ -172,6 +186,28 @@ class MetricWriter:
         f.write(json.dumps(record) + "\n")
     os.replace(tmp, self.path)
     self._file = open(self.path, "a", encoding="utf-8")
+    if self._tb is not None and len(kept) < len(records):
+      self._rewrite_tensorboard(kept)
+
+  def _rewrite_tensorboard(self, records: list[dict[str, Any]]) -> None:
+    """Replaces the event files with one holding exactly `records`."""
+    from tensorboardX import SummaryWriter
+    self._tb.close()
+    logdir = os.path.join(self.workdir, TENSORBOARD_DIR)
+    for name in os.listdir(logdir):
+      if name.startswith("events.out.tfevents."):
+        os.remove(os.path.join(logdir, name))
+    self._tb = SummaryWriter(logdir=logdir, flush_secs=30)
+    for record in records:
+      self._write_tensorboard(record)
+
+  def _write_tensorboard(self, record: Mapping[str, Any]) -> None:
+    for name, value in record.items():
+      if name in RESERVED:
+        continue
+      for tag, scalar in _tb_scalars(name, value):
+        self._tb.add_scalar(f"{record['split']}/{tag}", scalar,
+                            global_step=record["step"])
 
   def flush(self) -> None:
     """Flushes metrics.jsonl and the TensorBoard events to disk."""
@@ -258,6 +294,23 @@ def progress_bar(total: int, desc: str, **kw):
   return tqdm(total=total, desc=desc, **kw)
 
 
+def progress_line(bar, text: str) -> None:
+  """Prints `text` as one line on stderr when `bar` is disabled (off a
+  terminal, under CI), so runs under nohup, a pipe or CI show progress."""
+  if getattr(bar, "disable", False):
+    print(text, file=sys.stderr, flush=True)
+
+
+def duration(seconds: float) -> str:
+  """`duration(3725) == "1h02m05s"`, `duration(65) == "1m05s"`."""
+  seconds = max(int(round(seconds)), 0)
+  h, rest = divmod(seconds, 3600)
+  m, s = divmod(rest, 60)
+  if h:
+    return f"{h}h{m:02d}m{s:02d}s"
+  return f"{m}m{s:02d}s" if m else f"{s}s"
+
+
 __all__ = ["MAX_ARRAY_SIZE", "METRICS_FILE", "MetricWriter",
-           "TENSORBOARD_DIR", "flatten_metrics", "progress_bar",
-           "read_metrics"]
+           "TENSORBOARD_DIR", "duration", "flatten_metrics", "progress_bar",
+           "progress_line", "read_metrics"]

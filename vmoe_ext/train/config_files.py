@@ -1,19 +1,18 @@
 """Loading ml-collections config files (`configs/*.py` with `get_config(arg)`).
 
 `load_config` loads a file by path or name. For the binary, `load_config_flag`
-loads the `--config=FILE[:ARG]` value and `check_overrides` checks the
-`--config.FIELD=VALUE` flags against it, both raising `ConfigError` with a
+loads the `--config=FILE[:ARG]` value, raising `ConfigError("--config")` with a
 clear message (missing file, syntax error, no `get_config`, an argument the
-file rejects, an unknown field) instead of a traceback.
+file rejects) instead of a traceback. The `--config.FIELD=VALUE` flags are
+checked by `vmoe_ext.config.overrides`.
 """
 
 from __future__ import annotations
 
-import difflib
 import importlib.util
 import os
 import traceback
-from typing import Any, Optional, Sequence
+from typing import Optional
 
 import ml_collections
 
@@ -75,32 +74,3 @@ def _failure(path: str, arg: str, e: BaseException) -> str:
   call = f"get_config({arg!r})" if arg else "get_config()"
   return (f"{path}: {call} failed: {type(e).__name__}: {e} "
           f"({os.path.basename(where.filename)}, line {where.lineno})")
-
-
-def override_fields(argv: Sequence[str]) -> list[str]:
-  """The dotted fields of the `--config.FIELD[=VALUE]` flags in `argv`."""
-  out = []
-  for a in argv:
-    if a.startswith("--config."):
-      out.append(a[len("--config."):].split("=", 1)[0])
-  return out
-
-
-def check_overrides(config: ml_collections.ConfigDict,
-                    argv: Sequence[str]) -> None:
-  """ConfigError naming the first `--config.FIELD` that `config` lacks."""
-  for field in override_fields(argv):
-    node: Any = config
-    walked = []
-    for part in field.split("."):
-      if not isinstance(node, (ml_collections.ConfigDict, dict)):
-        break  # Below a leaf: the flag parser reports it.
-      walked.append(part)
-      if part not in node:
-        known = sorted(node.keys())
-        close = difflib.get_close_matches(part, known, n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise ConfigError(".".join(walked),
-                          f"unknown field (--config.{field}); {hint}known "
-                          f"fields: {known}")
-      node = node[part]

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
+import signal
+import threading
 import time
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -18,13 +21,15 @@ from vmoe_ext.data import (ArrayDataset, TrainIterator, default_normalization,
                            eval_batches, load_dataset)
 from vmoe_ext.models import build_model
 from vmoe_ext.reporting.report import listify, write_report
-from vmoe_ext.reporting.writers import MetricWriter, progress_bar, read_metrics
+from vmoe_ext.reporting.writers import (MetricWriter, duration, progress_bar,
+                                       progress_line, read_metrics)
 from vmoe_ext.train.checkpoints import CheckpointManager, config_fingerprint
 from vmoe_ext.train.initialization import check_init, load_init_params
 from vmoe_ext.train.optimizer import make_learning_rate, make_optimizer
 from vmoe_ext.train.state import TrainState
 from vmoe_ext.train.steps import evaluate, make_eval_step, make_train_step
 from vmoe_ext.train.validate import validate_config, validate_shapes
+from vmoe_ext.train.workdir import WorkdirLock
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +56,14 @@ class Run:
   state: TrainState
   train_iter: TrainIterator
   checkpoints: CheckpointManager
+  resumed_extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+  _eval_step: Optional[Callable] = None
+
+  def evaluate(self, split: str = "test") -> dict[str, Any]:
+    """Accuracy, top-5, loss and routing metrics of `split` (jitted once)."""
+    if self._eval_step is None:
+      self._eval_step = jax.jit(make_eval_step(self.model))
+    return evaluate(self._eval_step, self.state, self.eval_batches(split))
 
   def eval_batches(self, split: str = "test") -> Iterator[dict]:
     """Every example of `split` once, padded + masked, preprocessed."""
@@ -60,10 +73,12 @@ class Run:
                         image_size=self.config.data.get("image_size"),
                         mean=mean, std=std)
 
-  def save(self) -> None:
+  def save(self, **extra: Any) -> None:
+    """Checkpoints the state and data position (and JSON `extra`)."""
     self.checkpoints.save(int(self.state.step),
                           flax.serialization.to_state_dict(self.state),
-                          {"data": self.train_iter.get_state()}, force=True)
+                          {"data": self.train_iter.get_state(), **extra},
+                          force=True)
 
   def restore(self) -> Optional[int]:
     """Restores the newest checkpoint (state and data position), if any."""
@@ -74,6 +89,7 @@ class Run:
     state_dict, extra, step = restored
     self.state = flax.serialization.from_state_dict(self.state, state_dict)
     self.train_iter.set_state(extra["data"])
+    self.resumed_extra = dict(extra)
     return step
 
 
@@ -138,17 +154,53 @@ def check_finite(run: Run, step: int, history: Sequence[dict]) -> None:
   index = first - (step - len(history)) - 1
   loss = (f" (loss={float(history[index]['loss'])})"
           if 0 <= index < len(history) else "")
+  last = run.checkpoints.latest_step()
+  kept = ("no checkpoint has been saved yet" if last is None else
+          f"the last good checkpoint (step {last}) is kept in "
+          f"{run.checkpoints.directory}")
   raise NonFiniteError(
-      f"non-finite loss or gradient at step {first}{loss}; {count} of the "
-      f"steps up to {step} were bad and none was saved. The last good "
-      f"checkpoint (step {run.checkpoints.latest_step()}) is kept in "
-      f"{run.checkpoints.directory}.")
+      f"training diverged: non-finite loss, gradient or updated weights at "
+      f"step {first}{loss}; {count} of the steps up to {step} were bad and "
+      f"their updates were rejected, none was saved; {kept}. Lower "
+      "optimizer.learning_rate or clip gradients "
+      "(optimizer.clip_global_norm).")
+
+
+class Preempted(Exception):
+  """SIGTERM stopped training; a checkpoint of the current step was saved."""
+
+
+@contextlib.contextmanager
+def sigterm_flag(enabled: bool = True) -> Iterator[list]:
+  """A list that gets an item when SIGTERM arrives (checked by the loop at
+  each step boundary). Only in the main thread; elsewhere never set."""
+  received: list = []
+  if not enabled or threading.current_thread() is not threading.main_thread():
+    yield received
+    return
+  previous = signal.signal(signal.SIGTERM,
+                           lambda *_: received.append(time.time()))
+  try:
+    yield received
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+
+
+def _history_to_json(history: Sequence[dict]) -> list[dict[str, Any]]:
+  return [listify(h) for h in jax.device_get(list(history))]
+
+
+def _history_from_json(history: Sequence[dict]) -> list[dict[str, Any]]:
+  """Train metrics are float32 on the device; so they are again here."""
+  return [{k: np.asarray(v, np.float32) for k, v in h.items()}
+          for h in history]
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
                        after_training: Optional[Callable[..., Sequence[str]]]
                        = None,
-                       stop_at_step: Optional[int] = None
+                       stop_at_step: Optional[int] = None,
+                       handle_sigterm: bool = False
                        ) -> Optional[dict[str, Any]]:
   """Trains, evaluates, checkpoints and reports; returns the final metrics.
 
@@ -156,28 +208,67 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     config: the run config (see `configs/default.py`).
     workdir: where checkpoints, `metrics.jsonl`, TensorBoard events, plots and
       `report.md` go. An existing checkpoint there is resumed exactly
-      (parameters, optimizer and router state, RNG, step, data position).
+      (parameters, optimizer and router state, RNG, step, data position, the
+      metrics record as it was at that checkpoint). The workdir is locked
+      (`WorkdirLock`) while the run holds it.
     after_training: optional hook `(run, writer) -> list of markdown
       sections` run after the final evaluation (e.g. a robustness evaluation);
       its sections are appended to the report.
     stop_at_step: stop abruptly once this step is reached, as a preempted job
       would (no final evaluation, no report; returns None). Used to test that
       resuming gives the same result as an uninterrupted run.
+    handle_sigterm: on SIGTERM, save a checkpoint at the next step boundary
+      and raise `Preempted` (the binary exits with 143).
   """
   start = time.time()
   run = setup(config, workdir)  # Bad config or data: nothing written yet.
-  os.makedirs(workdir, exist_ok=True)
-  resumed = run.restore()
-  if resumed is not None:
-    log.warning("Resuming from the checkpoint of step %d in %s", resumed,
-                workdir)
+  with WorkdirLock(workdir), contextlib.ExitStack() as stack:
+    resumed = run.restore()
+    if resumed is not None:
+      log.warning("Resuming from the checkpoint of step %d in %s", resumed,
+                  workdir)
+    stack.callback(run.checkpoints.close)
+    writer = stack.enter_context(MetricWriter(workdir))
+    # The record is cut back to what it was at the checkpoint: what a killed
+    # run wrote after it is written again (older checkpoints: by step).
+    if "metrics_lines" in run.resumed_extra:
+      writer.truncate(keep_lines=run.resumed_extra["metrics_lines"])
+    else:
+      writer.truncate(after_step=int(run.state.step))
+    history = _history_from_json(run.resumed_extra.get("history", []))
+    with sigterm_flag(handle_sigterm) as sigterm:
+      step = _train(run, writer, history, sigterm, stop_at_step)
+    if step is None:
+      return None
+    # The last checkpoint comes before the final evaluation: a run killed
+    # after it re-does the evaluation only, and writes its lines once.
+    if run.checkpoints.latest_step() != step:
+      run.save(metrics_lines=writer.num_lines())
+    final = run.evaluate()
+    writer.write(step, "test", final, final=True)
+    sections: Sequence[str] = ()
+    if after_training is not None:
+      sections = after_training(run=run, writer=writer)
+  final = listify(final)
+  final["step"] = step
+  write_report(workdir, final_metrics=final, records=read_metrics(workdir),
+               config_summary=config.to_dict(),
+               wall_seconds=time.time() - start, extra_sections=sections)
+  return final
+
+
+def _train(run: Run, writer: MetricWriter, history: list, sigterm: list,
+           stop_at_step: Optional[int]) -> Optional[int]:
+  """The training loop from `run.state.step` to `train.total_steps`.
+
+  Returns the last step, or None when stopped at `stop_at_step`. Raises
+  `NonFiniteError` (nothing saved after the first bad step) or `Preempted`
+  (after saving the current step) when SIGTERM arrived.
+  """
+  config = run.config
   step = int(run.state.step)
   total = config.train.total_steps
   eval_every = config.train.get("eval_every", 0)
-
-  writer = MetricWriter(workdir)
-  # Lines a killed run wrote after its last checkpoint are written again.
-  writer.truncate(step)
   # The state is donated: `run.state` is the only live reference to it, and
   # `history` keeps metrics, never states. No host sync per step: the NaN
   # guard runs on the device (see `make_train_step`) and is read back by
@@ -186,52 +277,43 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
       run.model, label_smoothing=config.train.get("label_smoothing", 0.0),
       learning_rate_fn=make_learning_rate(config.optimizer)),
                        donate_argnums=0)
-  eval_step = jax.jit(make_eval_step(run.model))
-  run_eval = lambda: evaluate(eval_step, run.state, run.eval_batches())
-
-  history = []
-  try:
-    with progress_bar(total=total, desc="train", initial=step) as bar:
-      while step < total:
-        run.state, metrics = train_step(run.state, next(run.train_iter))
-        step += 1
-        history.append(metrics)
-        bar.update(1)
-        log_now = step % config.train.log_every == 0 or step == total
-        eval_now = bool(eval_every) and step % eval_every == 0 and step < total
-        save_now = run.checkpoints.should_save(step)
-        if log_now or eval_now or save_now:
-          check_finite(run, step, history)
-        if log_now:
-          writer.write(step, "train", _mean_metrics(history))
-          bar.set_postfix(loss=f"{float(metrics['loss']):.3f}")
-          history = []
-        if eval_now:
-          writer.write(step, "test", run_eval())
-        if save_now:
-          run.save()
-        if stop_at_step is not None and step >= stop_at_step:
-          writer.close()
-          run.checkpoints.close()
-          return None
-    check_finite(run, step, history)
-  except NonFiniteError:
-    writer.close()
-    run.checkpoints.close()
-    raise
-
-  final = run_eval()
-  writer.write(step, "test", final, final=True)
-  if run.checkpoints.latest_step() != step:
-    run.save()
-  sections: Sequence[str] = ()
-  if after_training is not None:
-    sections = after_training(run=run, writer=writer)
-  writer.close()
-  run.checkpoints.close()
-  final = listify(final)
-  final["step"] = step
-  write_report(workdir, final_metrics=final, records=read_metrics(workdir),
-               config_summary=config.to_dict(),
-               wall_seconds=time.time() - start, extra_sections=sections)
-  return final
+  save = lambda: run.save(metrics_lines=writer.num_lines(),
+                          history=_history_to_json(history))
+  first_step, since = step, time.time()
+  with progress_bar(total=total, desc="train", initial=step) as bar:
+    while step < total:
+      run.state, metrics = train_step(run.state, next(run.train_iter))
+      step += 1
+      history.append(metrics)
+      bar.update(1)
+      log_now = step % config.train.log_every == 0 or step == total
+      eval_now = bool(eval_every) and step % eval_every == 0 and step < total
+      save_now = run.checkpoints.should_save(step)
+      if log_now or eval_now or save_now or sigterm:
+        check_finite(run, step, history)
+      if log_now:
+        mean = _mean_metrics(history)
+        writer.write(step, "train", mean)
+        bar.set_postfix(loss=f"{float(metrics['loss']):.3f}")
+        rate = (step - first_step) / max(time.time() - since, 1e-9)
+        progress_line(bar, f"train step {step}/{total}: loss "
+                      f"{float(mean['loss']):.4f}, accuracy "
+                      f"{float(mean['accuracy']):.4f}, {rate:.2f} steps/s, "
+                      f"ETA {duration((total - step) / max(rate, 1e-9))}")
+        history = []
+      if eval_now:
+        result = run.evaluate()
+        writer.write(step, "test", result)
+        progress_line(bar, f"eval step {step}: accuracy "
+                      f"{result['accuracy']:.4f}, loss {result['loss']:.4f}")
+      if save_now or sigterm:
+        save()
+      if sigterm:
+        raise Preempted(
+            f"SIGTERM received; the checkpoint of step {step} is saved in "
+            f"{run.checkpoints.directory}. Re-run the same command to "
+            "resume.")
+      if stop_at_step is not None and step >= stop_at_step:
+        return None
+  check_finite(run, step, history)
+  return step

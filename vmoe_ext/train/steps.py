@@ -41,6 +41,13 @@ def routing_summary(metrics: dict[str, Any],
   return out
 
 
+def all_finite(tree: Any) -> Array:
+  """bool scalar: no NaN/Inf in any inexact leaf of `tree` (traceable)."""
+  checks = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+            if jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact)]
+  return jnp.all(jnp.stack(checks)) if checks else jnp.asarray(True)
+
+
 def make_train_step(model: nn.Module, *, label_smoothing: float = 0.0,
                     learning_rate_fn: Callable[[Array], Array] | None = None
                     ) -> Callable[[TrainState, Batch], tuple[TrainState,
@@ -50,8 +57,8 @@ def make_train_step(model: nn.Module, *, label_smoothing: float = 0.0,
   The loss is mean cross-entropy plus the model's summed auxiliary loss.
   Non-parameter collections (e.g. router state) are updated with the model's
   mutations (the model is applied with `update_state=True`). NaN guard on the
-  device: if the loss or the gradient norm is not finite, the update is
-  skipped and counted in the state (`TrainState.commit`); the caller reads
+  device: if the loss, the gradient norm, or any updated parameter, optimizer
+  moment or collection is not finite, the update is skipped and counted in the state (`TrainState.commit`); the caller reads
   `state.nonfinite_count` when it likes (no host sync per step). Safe to jit
   with `donate_argnums=0`.
   """
@@ -76,7 +83,10 @@ def make_train_step(model: nn.Module, *, label_smoothing: float = 0.0,
     updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     grad_norm = optax.global_norm(grads)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    # The weights too: a finite gradient times an overflowing learning rate
+    # gives inf parameters or moments, which must not be committed either.
+    finite = (jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+              & all_finite((params, opt_state, collections)))
     new_state = state.commit(
         state.replace(params=params, opt_state=opt_state,
                       collections=dict(collections)), finite)

@@ -1,0 +1,372 @@
+"""Reliability of the binary: overrides of every documented field, workdir
+checks and locking, the weight NaN guard, and an exact metrics record under
+kill -9, SIGTERM, re-runs and evaluation into a training workdir.
+
+The end-to-end tests share one uninterrupted run of `configs/tiny.py` (the
+reference): every interrupted or repeated run must end with exactly its
+`metrics.jsonl` records and TensorBoard points.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from test_train_utils import _read_records
+from tensorboardX.proto import event_pb2
+from vmoe_ext.config import CONFIG, Field, validate
+from vmoe_ext.config.overrides import prepare_overrides
+from vmoe_ext.errors import ConfigError
+from vmoe_ext.models import build_model
+from vmoe_ext.reporting.writers import MetricWriter, read_metrics
+from vmoe_ext.train import loop
+from vmoe_ext.train.config_files import CONFIG_DIR, load_config
+from vmoe_ext.train.state import TrainState
+from vmoe_ext.train.steps import make_train_step
+from vmoe_ext.train.workdir import WorkdirLock, check_workdir
+
+ROOT = os.path.dirname(CONFIG_DIR)
+ENV = {**os.environ, "CI": "1", "JAX_PLATFORMS": "cpu"}
+
+
+def binary(workdir, *args, config="configs/tiny.py"):
+  return [sys.executable, "-m", "vmoe_ext.main", f"--config={config}",
+          *args, f"--workdir={workdir}"]
+
+
+def run_binary(workdir, *args, **kw):
+  return subprocess.run(binary(workdir, *args, **kw), cwd=ROOT, env=ENV,
+                        capture_output=True, text=True, timeout=600)
+
+
+def tensorboard_points(workdir):
+  """Every (tag, step) point of the event files, with repetitions."""
+  logdir = os.path.join(workdir, "tensorboard")
+  points = collections.Counter()
+  for name in os.listdir(logdir):
+    if name.startswith("events.out.tfevents"):
+      for record in _read_records(os.path.join(logdir, name)):
+        event = event_pb2.Event.FromString(record)
+        for value in event.summary.value:
+          points[(value.tag, event.step)] += 1
+  return points
+
+
+def wait_for(predicate, proc, timeout=300.0):
+  end = time.time() + timeout
+  while time.time() < end:
+    if predicate():
+      return
+    assert proc.poll() is None, proc.communicate()
+    time.sleep(0.02)
+  raise AssertionError("timed out")
+
+
+def records_or_empty(workdir):
+  try:
+    return read_metrics(workdir)
+  except FileNotFoundError:
+    return []
+
+
+# ------------------------------------------------------------ overrides
+
+
+def test_overrides_reach_fields_the_config_lacks_or_holds_as_none():
+  config = load_config("tiny")
+  assert "noise_std" not in config.model.moe.router
+  prepare_overrides(config, [
+      "prog", "--config.robustness.checkpoint_dir=x",
+      "--config.model.moe.router.noise_std=0.5",
+      "--config.model.moe.dispatcher=einsum",
+      "--config.model.stream.name=plain",
+      "--config.data.image_size=8"])
+  # Typed placeholders (None until the flag parser sets them).
+  assert config.model.moe.router.get_ref("noise_std").get_type() is float
+  assert config.model.moe.get_ref("dispatcher").get_type() is str
+  assert config.data.get_ref("image_size").get_type() is int
+  assert config.model.stream.get_ref("name").get_type() is str
+  # Untouched fields keep their values.
+  assert config.model.moe.router.num_selected == 1
+
+
+def test_overrides_reject_unknown_fields_with_their_full_path():
+  for flag, field in [("--config.model.moe.foo=1", "model.moe.foo"),
+                      ("--config.foo=1", "foo"),
+                      ("--config.data.batchsize=16", "data.batchsize"),
+                      ("--config.model.moe.router.nois_std=1",
+                       "model.moe.router.nois_std")]:
+    with pytest.raises(ConfigError) as e:
+      prepare_overrides(load_config("tiny"), ["prog", flag])
+    assert e.value.field == field
+  with pytest.raises(ConfigError, match="did you mean 'noise_std'"):
+    prepare_overrides(load_config("tiny"),
+                      ["prog", "--config.model.moe.router.nois_std=1"])
+
+
+def test_overrides_look_fields_up_with_the_overridden_selector():
+  # expert_choice has no num_selected: known only once `name` is read, even
+  # from a flag that comes after.
+  with pytest.raises(ConfigError) as e:
+    prepare_overrides(load_config("tiny"), [
+        "prog", "--config.model.moe.router.num_selected=2",
+        "--config.model.moe.router.name=expert_choice"])
+  assert e.value.field == "model.moe.router.num_selected"
+
+
+def test_floats_beyond_float32_are_config_errors():
+  validate(Field("float"), 3.4e38, "x")
+  for value in (1e39, -1e39):
+    with pytest.raises(ConfigError, match="overflows float32") as e:
+      validate(Field("float"), value, "optimizer.learning_rate")
+    assert e.value.field == "optimizer.learning_rate"
+  config = load_config("tiny")
+  config.optimizer.learning_rate = 1e39
+  with pytest.raises(ConfigError) as e:
+    validate(CONFIG, config)
+  assert e.value.field == "optimizer.learning_rate"
+
+
+def test_empty_checkpoint_dir_is_a_config_error():
+  config = load_config("tiny")
+  config.robustness.checkpoint_dir = ""
+  with pytest.raises(ConfigError, match="is empty") as e:
+    validate(CONFIG, config)
+  assert e.value.field == "robustness.checkpoint_dir"
+
+
+# -------------------------------------------------------------- workdir
+
+
+def _read_only(path, monkeypatch):
+  """Makes directory `path` unwritable (for root too: a read-only bind
+  mount; where mounting is not allowed, the write probe reports EROFS)."""
+  if os.geteuid() != 0:
+    os.chmod(path, 0o555)
+    return lambda: os.chmod(path, 0o755)
+  mount = subprocess.run(["mount", "--bind", path, path], capture_output=True)
+  if mount.returncode == 0:
+    subprocess.run(["mount", "-o", "remount,ro,bind", path], check=True)
+    return lambda: subprocess.run(["umount", path], check=True)
+  from vmoe_ext.train import workdir as workdir_lib
+  real = workdir_lib._writable
+  monkeypatch.setattr(workdir_lib, "_writable", lambda d: (
+      "Read-only file system" if d.startswith(str(path)) else real(d)))
+  return lambda: None
+
+
+def test_check_workdir(tmp_path, monkeypatch):
+  for bad, message in [("", "is empty"), (tmp_path / "file", "not a dir"),
+                       (tmp_path / "file" / "sub", "is a file")]:
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match=message) as e:
+      check_workdir(str(bad))
+    assert e.value.field == "--workdir"
+  check_workdir(str(tmp_path / "new" / "run"))  # Created later.
+  assert not (tmp_path / "new").exists()
+  for holds_checkpoint in (False, True):
+    ro = tmp_path / f"ro{holds_checkpoint}"
+    (ro / "checkpoints" / "10").mkdir(parents=True) if holds_checkpoint \
+        else ro.mkdir()
+    undo = _read_only(ro, monkeypatch)
+    try:
+      with pytest.raises(ConfigError, match="not writable") as e:
+        check_workdir(str(ro))
+      with pytest.raises(ConfigError, match="not writable"):
+        check_workdir(str(ro / "sub"))
+    finally:
+      undo()
+    assert e.value.field == "--workdir"
+
+
+def test_workdir_lock_refuses_a_second_holder(tmp_path):
+  workdir = str(tmp_path / "run")
+  with WorkdirLock(workdir):
+    with pytest.raises(ConfigError, match=f"in use by another run \\(pid "
+                       f"{os.getpid()}\\)"):
+      WorkdirLock(workdir).acquire()
+    with pytest.raises(ConfigError, match="in use"):
+      check_workdir(workdir)
+  check_workdir(workdir)  # Released.
+  with WorkdirLock(workdir):
+    pass
+
+
+# ------------------------------------------------------ weight NaN guard
+
+
+def test_update_that_overflows_the_weights_is_rejected():
+  config = load_config("tiny")
+  model = build_model(config.model)
+  image = jnp.ones((2, 8, 8, 1))
+  variables = model.init(jax.random.key(0), image)
+  # Each factor finite; their product overflows every nonzero update.
+  tx = optax.chain(optax.scale(-1e30), optax.scale(1e30))
+  state = TrainState.create(variables, tx, jax.random.key(1))
+  step = jax.jit(make_train_step(model))
+  new, metrics = step(state, {"image": image, "label": jnp.array([0, 1])})
+  # Loss and gradient finite, the updated weights not: nothing committed.
+  assert np.isfinite(metrics["loss"]) and np.isfinite(metrics["grad_norm"])
+  assert float(metrics["grad_norm"]) > 0
+  assert int(new.nonfinite_count) == 1 and int(new.first_nonfinite_step) == 1
+  jax.tree.map(np.testing.assert_array_equal, new.params, state.params)
+  assert int(new.step) == 1
+
+
+def test_divergence_before_any_checkpoint_says_so(tmp_path):
+  config = load_config("tiny")
+  config.robustness = None
+  config.optimizer.learning_rate = 3e38
+  config.optimizer.warmup_steps = 0
+  config.train.checkpoint_every = 100
+  with pytest.raises(loop.NonFiniteError) as e:
+    loop.train_and_evaluate(config, str(tmp_path / "run"))
+  assert re.search(r"weights at step [12] \(loss=", str(e.value))
+  assert "no checkpoint has been saved yet" in str(e.value)
+  assert not os.listdir(tmp_path / "run" / "checkpoints")
+
+
+# ------------------------------------------------------------ end to end
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+  """An uninterrupted `configs/tiny.py` run: (workdir, completed process)."""
+  workdir = str(tmp_path_factory.mktemp("reference") / "run")
+  done = run_binary(workdir)
+  assert done.returncode == 0, done.stderr
+  return workdir, done
+
+
+def assert_same_record(workdir, reference_dir):
+  """Same metrics.jsonl records and TensorBoard points, none twice."""
+  records = read_metrics(workdir)
+  assert records == read_metrics(reference_dir)
+  # One TensorBoard point per number in the records (the eps sweep writes
+  # several lines at one step, so some (tag, step) pairs repeat there too).
+  expected = collections.Counter()
+  for r in records:
+    for key, value in r.items():
+      if key not in ("step", "split", "final") and value is not None \
+          and not isinstance(value, str):
+        for i, _ in np.ndenumerate(np.asarray(value, float)):
+          tag = "/".join([r["split"], key, *map(str, i)])
+          expected[(tag, r["step"])] += 1
+  assert tensorboard_points(workdir) == expected
+  assert tensorboard_points(reference_dir) == expected
+
+
+def test_progress_lines_off_a_terminal(reference):
+  _, done = reference
+  lines = done.stderr.splitlines()
+  train = [l for l in lines if l.startswith("train step ")]
+  assert [l.split(":")[0] for l in train] == [
+      f"train step {s}/20" for s in (5, 10, 15, 20)]
+  assert all(re.search(r"loss \d\.\d{4}, accuracy \d\.\d{4}, [\d.]+ "
+                       r"steps/s, ETA (\d+m)?\d+s$", l) for l in train)
+  assert any(l.startswith("eval step 10: accuracy ") for l in lines)
+  assert any(l.startswith("fgsm") and "accuracy" in l for l in lines)
+  assert any(l.startswith("corruption contrast: ") for l in lines)
+  assert "Traceback" not in done.stderr
+
+
+def test_kill_during_final_evaluation_then_rerun(reference, tmp_path):
+  ref_dir, _ = reference
+  workdir = str(tmp_path / "run")
+  proc = subprocess.Popen(binary(workdir), cwd=ROOT, env=ENV,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+  # Killed in the after-training evaluation, once the final line is out.
+  wait_for(lambda: any(r.get("final") for r in records_or_empty(workdir)),
+           proc)
+  proc.kill()
+  proc.wait()
+  assert 0 < len(read_metrics(workdir)) < len(read_metrics(ref_dir))
+  done = run_binary(workdir)
+  assert done.returncode == 0, done.stderr
+  assert_same_record(workdir, ref_dir)
+  # A finished workdir run again: the same record, nothing twice.
+  done = run_binary(workdir)
+  assert done.returncode == 0, done.stderr
+  assert_same_record(workdir, ref_dir)
+  assert sum(bool(r.get("final")) for r in read_metrics(workdir)) == 1
+
+
+def test_binary_refuses_a_workdir_in_use(tmp_path):
+  workdir = str(tmp_path / "run")
+  holder = subprocess.Popen(
+      [sys.executable, "-c", "import sys, time\n"
+       "from vmoe_ext.train.workdir import WorkdirLock\n"
+       f"with WorkdirLock({workdir!r}):\n"
+       "  print('locked', flush=True); time.sleep(600)"],
+      cwd=ROOT, env=ENV, stdout=subprocess.PIPE, text=True)
+  try:
+    assert holder.stdout.readline().strip() == "locked"
+    done = run_binary(workdir)
+  finally:
+    holder.kill()
+    holder.wait()
+  assert done.returncode == 2
+  assert done.stderr.startswith("config error: --workdir:")
+  assert f"in use by another run (pid {holder.pid})" in done.stderr
+  assert "Traceback" not in done.stderr
+
+
+def test_sigterm_saves_and_resumes_exactly(reference, tmp_path):
+  ref_dir, _ = reference
+  workdir = str(tmp_path / "run")
+  proc = subprocess.Popen(binary(workdir), cwd=ROOT, env=ENV,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          text=True)
+  wait_for(lambda: any(r["split"] == "train"
+                       for r in records_or_empty(workdir)), proc)
+  proc.send_signal(signal.SIGTERM)
+  _, stderr = proc.communicate(timeout=300)
+  assert proc.returncode == 143, stderr
+  assert "SIGTERM received; the checkpoint of step" in stderr
+  step = int(re.search(r"checkpoint of step (\d+)", stderr).group(1))
+  assert 5 <= step < 20
+  assert str(step) in os.listdir(os.path.join(workdir, "checkpoints"))
+  assert not any(r.get("final") for r in read_metrics(workdir))
+  done = run_binary(workdir)
+  assert done.returncode == 0, done.stderr
+  assert_same_record(workdir, ref_dir)
+
+
+def test_evaluation_into_the_training_workdir_keeps_its_record(reference,
+                                                              tmp_path):
+  ref_dir, _ = reference
+  before = read_metrics(ref_dir)
+  config = tmp_path / "eval.py"
+  # Fields the training config left out, at their defaults: still the same
+  # config (compared after filling defaults).
+  config.write_text(
+      "from vmoe_ext.train.config_files import load_config\n"
+      "def get_config(arg=None):\n"
+      "  c = load_config('tiny')\n"
+      "  c.robustness.checkpoint_dir = arg\n"
+      "  c.robustness.attacks = (dict(name='fgsm', eps=0.1),)\n"
+      "  c.robustness.sweep = None\n"
+      "  c.robustness.corruptions = None\n"
+      "  c.model.moe.dispatcher = 'indices'\n"
+      "  c.model.moe.router.noise_std = 1.0\n"
+      "  return c\n")
+  done = run_binary(ref_dir, config=f"{config}:{ref_dir}")
+  assert done.returncode == 0, done.stderr
+  assert read_metrics(ref_dir) == before
+  evaluation = read_metrics(os.path.join(ref_dir, "evaluation"))
+  final = [r for r in before if r.get("final")][0]
+  assert evaluation[0]["split"] == "test" and evaluation[0]["final"]
+  assert evaluation[0]["accuracy"] == final["accuracy"]
+  assert [r["split"] for r in evaluation[1:]] == ["adversarial/fgsm"]
+  assert "Robustness evaluation report" in done.stdout

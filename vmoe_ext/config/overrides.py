@@ -1,0 +1,168 @@
+"""Command-line overrides `--config.FIELD=VALUE`, checked against the schema.
+
+ml_collections can only override a field that the loaded `ConfigDict` holds
+with a non-None value (it takes the field's type from that value). Users
+expect to set every documented field: one whose default is None
+(`robustness.num_examples`), one the config file leaves out
+(`model.moe.router.noise_std` on `configs/tiny.py`), or a field of a section
+that is off (`robustness.corruptions.names`). `prepare_overrides` walks the
+schema (`vmoe_ext.config.CONFIG`) for each overridden field:
+
+* a field the schema does not know is a `ConfigError` naming the full path,
+  with a "did you mean" hint, before anything is parsed;
+* a known field that the config lacks, or holds as None, is added as a typed
+  `ml_collections` placeholder (its type from the schema, else from the value
+  as a Python literal), creating the sections on the way, so the flag parser
+  sets it like any other field.
+
+Fields that are not overridden are left exactly as the config file wrote them.
+Section fields that depend on a selector (`model.moe.router` on its `name`)
+are looked up with the selector's overridden value, wherever its flag stands.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+from typing import Any, Optional, Sequence
+
+import ml_collections
+from ml_collections import config_dict
+
+from vmoe_ext.config.schema import Field, Section, Seq, Spec, plain
+from vmoe_ext.config.sections import CONFIG
+from vmoe_ext.errors import ConfigError
+
+PREFIX = "--config."
+_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
+
+
+def overrides(argv: Sequence[str]) -> list[tuple[str, Optional[str]]]:
+  """`(field, value text)` of each `--config.FIELD[=VALUE]` flag, in order.
+
+  The value is None for a flag without `=` (a bool set with its bare name).
+  """
+  out = []
+  for arg in argv:
+    if arg.startswith(PREFIX):
+      field, eq, value = arg[len(PREFIX):].partition("=")
+      out.append((field, value if eq else None))
+  return out
+
+
+def literal(text: Optional[str]) -> Any:
+  """The Python literal `text` stands for, else the string itself."""
+  if text is None:
+    return True
+  try:
+    return ast.literal_eval(text)
+  except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+    return text
+
+
+def _set(tree: dict, parts: list[str], value: Any) -> None:
+  for part in parts[:-1]:
+    if not isinstance(tree.get(part), dict):
+      tree[part] = {}
+    tree = tree[part]
+  tree[parts[-1]] = value
+
+
+def _preview(config: ml_collections.ConfigDict,
+             pairs: list[tuple[str, Optional[str]]]) -> dict:
+  """The config as a plain dict with every override applied as a literal."""
+  tree = plain(config)
+  for field, text in pairs:
+    if "[" not in field:
+      _set(tree, field.split("."), literal(text))
+  return tree
+
+
+def field_spec(field: str, preview: dict) -> Optional[Spec]:
+  """The schema spec of dotted `field`; None below a free-form value.
+
+  Raises:
+    ConfigError naming the first unknown part of `field` (or a bad selector
+    value such as an unknown router name).
+  """
+  spec: Spec = CONFIG
+  value: Any = preview
+  walked: list[str] = []
+  for part in field.split("."):
+    if not isinstance(spec, Section) or "[" in part:
+      return None  # A dict-valued field, or a list item: checked later.
+    section = value if isinstance(value, dict) else {}
+    try:
+      fields = spec.fields_of(section)
+    except ConfigError as e:
+      raise ConfigError(".".join(walked + [e.field]), e.reason) from e
+    walked.append(part)
+    if part not in fields:
+      known = sorted(fields)
+      close = difflib.get_close_matches(part, known, n=1)
+      hint = f"did you mean {close[0]!r}? " if close else ""
+      raise ConfigError(".".join(walked), f"unknown field ({PREFIX}{field}); "
+                        f"{hint}known fields: {known}")
+    spec = fields[part]
+    value = section.get(part)
+  return spec
+
+
+def _placeholder_type(spec: Optional[Spec], text: Optional[str]) -> type:
+  if isinstance(spec, Field) and spec.kind in _TYPES:
+    return _TYPES[spec.kind]
+  if isinstance(spec, Seq):
+    return tuple
+  if isinstance(spec, Section) or (isinstance(spec, Field)
+                                   and spec.kind == "mapping"):
+    return dict
+  value = literal(text)  # "any" and OneOf fields: the value's own type.
+  if isinstance(value, (list, tuple)):
+    return tuple
+  return type(value) if isinstance(value, (bool, int, float, dict)) else str
+
+
+def _add_placeholder(config: ml_collections.ConfigDict, parts: list[str],
+                     kind: type) -> None:
+  node = config
+  for part in parts[:-1]:
+    child = node.get(part) if part in node else None
+    if child is None:
+      node[part] = ml_collections.ConfigDict()
+      child = node[part]
+    if not isinstance(child, ml_collections.ConfigDict):
+      return  # Below a leaf: the flag parser reports it.
+    node = child
+  last = parts[-1]
+  if last not in node or node[last] is None:
+    node[last] = config_dict.placeholder(kind)
+
+
+def prepare_overrides(config: ml_collections.ConfigDict,
+                      argv: Sequence[str]) -> ml_collections.ConfigDict:
+  """Checks the `--config.FIELD` flags of `argv` and makes each settable.
+
+  Args:
+    config: the loaded config file (unlocked); changed in place.
+    argv: the command line.
+
+  Returns:
+    `config`, with a typed placeholder for each overridden field that it
+    lacked or held as None.
+
+  Raises:
+    ConfigError naming the first unknown field.
+  """
+  pairs = overrides(argv)
+  if not pairs:
+    return config
+  preview = _preview(config, pairs)
+  for field, text in pairs:
+    spec = field_spec(field, preview)
+    if "[" in field:
+      continue
+    _add_placeholder(config, field.split("."), _placeholder_type(spec, text))
+  return config
+
+
+__all__ = ["field_spec", "literal", "overrides", "prepare_overrides"]
