@@ -168,8 +168,11 @@ CASES: list[Case] = [
              "  return {'seed': 0}\n"),
     raw_file("import-error", "import no_such_module_xyz\n\n\n"
              "def get_config(arg=None):\n  return None\n"),
-    # workdir (read-only workdirs are tested separately: we run as root)
+    # workdir (read-only ones made by chmod are writable for root: /proc is
+    # read-only for everyone; tests/test_reliability.py mounts one)
     Case("workdir=", ("--workdir=",), "--workdir"),
+    Case("workdir under read-only /proc", ("--workdir=/proc/1/vmoe_run",),
+         "--workdir"),
     workdir_file("workdir is a file", ""),
     workdir_file("workdir under a file", "/sub"),
     # float32 overflow, NaN, inf

@@ -11,8 +11,12 @@ real loop does), N steps from the same initial state:
        reads it on the host (`bool(finite)`) after every step, then keeps or
        discards the new state;
 * new  `vmoe_ext.train.steps.make_train_step` jitted with the state donated;
-       a non-finite step is skipped on the device and counted in the state,
-       which the loop reads back every `log_every=50` steps only.
+       a step whose loss, gradient or updated weights are non-finite is
+       skipped on the device and counted in the state, which the loop reads
+       back every `log_every=50` steps only;
+* loss_only  the same with `guard_weights=False` (loss and gradient norm
+       checked, not the updated weights): `weight_guard_vs_loss_guard_step_
+       time` is the cost of the weight check (issue "Reliability", item 3).
 
 Both loops keep the step metrics and fetch their mean at log steps, like
 `train_and_evaluate`. Median of interleaved repetitions after a warm-up; each
@@ -136,13 +140,17 @@ def main(argv=None) -> dict:
       "old": (run_old, old_train_step(model, lr)),
       "new": (run_new, jax.jit(make_train_step(model, learning_rate_fn=lr),
                                donate_argnums=0)),
+      "loss_only": (run_new, jax.jit(make_train_step(
+          model, learning_rate_fn=lr, guard_weights=False),
+                                     donate_argnums=0)),
   }
   copy = lambda: jax.block_until_ready(jax.tree.map(jnp.copy, state0))
   finals = {}
   for name, (loop, fn) in candidates.items():  # Warm-up (compiles).
     finals[name] = jax.device_get(loop(fn, copy(), batches, LOG_EVERY).params)
-  same = all(np.array_equal(a, b) for a, b in zip(
-      jax.tree.leaves(finals["old"]), jax.tree.leaves(finals["new"])))
+  same = all(np.array_equal(a, b) for other in ("new", "loss_only")
+             for a, b in zip(jax.tree.leaves(finals["old"]),
+                             jax.tree.leaves(finals[other])))
   samples: dict[str, list[float]] = {name: [] for name in candidates}
   for _ in range(repeats):
     for name, (loop, fn) in candidates.items():
@@ -162,6 +170,8 @@ def main(argv=None) -> dict:
       "quick": bool(args.quick),
       "new_vs_old_step_time": ms["new"] / ms["old"],
       "new_ms_per_step": ms["new"],
+      "weight_guard_vs_loss_guard_step_time": ms["new"] / ms["loss_only"],
+      "loss_only_ms_per_step": ms["loss_only"],
       "old_ms_per_step": ms["old"],
       "num_steps": num_steps,
       "same_params": bool(same),

@@ -2,7 +2,8 @@
 checks and locking, the weight NaN guard, and an exact metrics record under
 kill -9, SIGTERM, re-runs and evaluation into a training workdir.
 
-The end-to-end tests share one uninterrupted run of `configs/tiny.py` (the
+The end-to-end tests share one uninterrupted run of `configs/tiny.py` with a
+short after-training evaluation (`tests/fast_tiny_config.py`; the
 reference): every interrupted or repeated run must end with exactly its
 `metrics.jsonl` records and TensorBoard points.
 """
@@ -16,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +31,7 @@ from vmoe_ext.config import CONFIG, Field, validate
 from vmoe_ext.config.overrides import prepare_overrides
 from vmoe_ext.errors import ConfigError
 from vmoe_ext.models import build_model
-from vmoe_ext.reporting.writers import MetricWriter, read_metrics
+from vmoe_ext.reporting.writers import read_metrics
 from vmoe_ext.train import loop
 from vmoe_ext.train.config_files import CONFIG_DIR, load_config
 from vmoe_ext.train.state import TrainState
@@ -40,7 +42,13 @@ ROOT = os.path.dirname(CONFIG_DIR)
 ENV = {**os.environ, "CI": "1", "JAX_PLATFORMS": "cpu"}
 
 
-def binary(workdir, *args, config="configs/tiny.py"):
+# configs/tiny.py with a short after-training evaluation (one attack, one
+# corruption): long enough to be killed in, cheap to run six times.
+FAST = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                    "fast_tiny_config.py")
+
+
+def binary(workdir, *args, config=FAST):
   return [sys.executable, "-m", "vmoe_ext.main", f"--config={config}",
           *args, f"--workdir={workdir}"]
 
@@ -224,17 +232,25 @@ def test_update_that_overflows_the_weights_is_rejected():
   assert int(new.step) == 1
 
 
-def test_divergence_before_any_checkpoint_says_so(tmp_path):
-  config = load_config("tiny")
-  config.robustness = None
-  config.optimizer.learning_rate = 3e38
-  config.optimizer.warmup_steps = 0
-  config.train.checkpoint_every = 100
+def test_divergence_message_names_the_step_and_the_last_checkpoint():
+  def run(latest, count=2):
+    return types.SimpleNamespace(
+        state=types.SimpleNamespace(nonfinite_count=np.int32(count),
+                                    first_nonfinite_step=np.int32(7)),
+        checkpoints=types.SimpleNamespace(latest_step=lambda: latest,
+                                          directory="/w/checkpoints"))
+
+  history = [{"loss": np.float32(1.0)}, {"loss": np.float32(np.nan)},
+             {"loss": np.float32(np.inf)}]  # Steps 6, 7, 8.
+  loop.check_finite(run(None, count=0), 8, history[:1])  # All finite.
   with pytest.raises(loop.NonFiniteError) as e:
-    loop.train_and_evaluate(config, str(tmp_path / "run"))
-  assert re.search(r"weights at step [12] \(loss=", str(e.value))
+    loop.check_finite(run(None), 8, history)
+  assert "weights at step 7 (loss=nan); 2 of the steps up to 8" in str(e.value)
   assert "no checkpoint has been saved yet" in str(e.value)
-  assert not os.listdir(tmp_path / "run" / "checkpoints")
+  with pytest.raises(loop.NonFiniteError,
+                     match=r"last good checkpoint \(step 4\) is kept in "
+                     "/w/checkpoints"):
+    loop.check_finite(run(4), 8, history)
 
 
 # ------------------------------------------------------------ end to end
@@ -242,7 +258,7 @@ def test_divergence_before_any_checkpoint_says_so(tmp_path):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-  """An uninterrupted `configs/tiny.py` run: (workdir, completed process)."""
+  """An uninterrupted run of FAST: (workdir, completed process)."""
   workdir = str(tmp_path_factory.mktemp("reference") / "run")
   done = run_binary(workdir)
   assert done.returncode == 0, done.stderr
@@ -276,7 +292,8 @@ def test_progress_lines_off_a_terminal(reference):
   assert all(re.search(r"loss \d\.\d{4}, accuracy \d\.\d{4}, [\d.]+ "
                        r"steps/s, ETA (\d+m)?\d+s$", l) for l in train)
   assert any(l.startswith("eval step 10: accuracy ") for l in lines)
-  assert any(l.startswith("fgsm") and "accuracy" in l for l in lines)
+  assert any(l.startswith("final eval step 20: accuracy ") for l in lines)
+  assert any(l.startswith("fgsm: accuracy ") for l in lines)
   assert any(l.startswith("corruption contrast: ") for l in lines)
   assert "Traceback" not in done.stderr
 

@@ -32,6 +32,7 @@ import os
 import re
 import sys
 import traceback
+import warnings
 from typing import NoReturn, Sequence
 
 from absl import app, flags, logging
@@ -148,6 +149,8 @@ def main(argv) -> None:
   from vmoe_ext.train.loop import NonFiniteError, Preempted
 
   logging.set_verbosity(logging.WARNING)
+  # One line per warning (a recovered corrupt checkpoint), not two.
+  warnings.formatwarning = lambda message, *_, **__: f"warning: {message}\n"
   config, workdir = FLAGS.config, FLAGS.workdir
   try:
     report = run(config, workdir)

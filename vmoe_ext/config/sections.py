@@ -123,7 +123,8 @@ def _subsections(fields: dict[str, Spec], soft: bool) -> dict[str, Spec]:
     if key == "router":
       fields[key] = registered(registries[key], fixed=("num_experts",),
                                default_name="soft" if soft else None,
-                               default=spec.default)
+                               default={"name": "soft"} if soft
+                               else spec.default)
     elif key == "stream":
       fields[key] = registered(registries[key], default=spec.default,
                                nullable=True)

@@ -65,7 +65,8 @@ def restore_for_eval(config: ml_collections.ConfigDict, model: nn.Module,
   manager = CheckpointManager(
       os.path.join(source, "checkpoints"), save_every=0,
       keep=config.train.keep_checkpoints,
-      config_fingerprint=config_fingerprint(config, params))
+      config_fingerprint=config_fingerprint(config, params),
+      purpose="evaluate")
   try:
     restored = manager.restore_variables({"params": params,
                                           "collections": variables})

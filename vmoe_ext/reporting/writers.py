@@ -229,8 +229,12 @@ class MetricWriter:
   def __enter__(self) -> "MetricWriter":
     return self
 
-  def __exit__(self, *exc) -> None:
-    self.close()
+  def __exit__(self, exc_type, *exc) -> None:
+    try:
+      self.close()
+    except OSError:
+      if exc_type is None:
+        raise  # Else the error already under way (a full disk) is the news.
 
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:
@@ -288,16 +292,22 @@ def progress_bar(total: int, desc: str, **kw):
     **kw: further `tqdm.tqdm` arguments.
   """
   if kw.get("disable") is None:
-    kw["disable"] = _in_ci() or not _interactive()
+    kw["disable"] = bars_disabled()
   kw.setdefault("file", sys.stderr)
   kw.setdefault("dynamic_ncols", True)
   return tqdm(total=total, desc=desc, **kw)
 
 
+def bars_disabled() -> bool:
+  """True where `progress_bar` is quiet: off a terminal or under CI."""
+  return _in_ci() or not _interactive()
+
+
 def progress_line(bar, text: str) -> None:
-  """Prints `text` as one line on stderr when `bar` is disabled (off a
-  terminal, under CI), so runs under nohup, a pipe or CI show progress."""
-  if getattr(bar, "disable", False):
+  """Prints `text` as one line on stderr when `bar` is disabled (or, for
+  `bar=None`, where bars are: `bars_disabled()`), so runs under nohup, a pipe
+  or CI show progress."""
+  if (bars_disabled() if bar is None else getattr(bar, "disable", False)):
     print(text, file=sys.stderr, flush=True)
 
 
@@ -312,5 +322,5 @@ def duration(seconds: float) -> str:
 
 
 __all__ = ["MAX_ARRAY_SIZE", "METRICS_FILE", "MetricWriter",
-           "TENSORBOARD_DIR", "duration", "flatten_metrics", "progress_bar",
+           "TENSORBOARD_DIR", "bars_disabled", "duration", "flatten_metrics", "progress_bar",
            "progress_line", "read_metrics"]

@@ -12,7 +12,13 @@ Saves are synchronous: orbax writes each step into a temporary directory and
 renames it when complete, and `save` returns only after that, so a process
 killed mid-save leaves at worst a temporary directory that is ignored (and
 removed when the next manager opens the directory), never a half-written step
-that `restore` would take as the latest one.
+that `restore` would take as the latest one. A save that fails (a full disk)
+removes its temporary directory and raises `CheckpointSaveError`.
+
+Faults are reported once, in our words: an unreadable checkpoint gives one
+warning and a fall back to the next older one; orbax's own error logs, the
+"Event loop is closed" tracebacks of its abandoned reads and those of its
+abandoned writes are filtered out (see `quiet_orbax`).
 
 Typed PRNG keys (`jax.random.key`) cannot be serialised as such; the manager
 handles them itself: such a leaf is saved as its `jax.random.key_data` and
@@ -26,24 +32,51 @@ and router state for evaluation, without the optimizer state).
 
 from __future__ import annotations
 
-import json
+import errno
+import glob
 import os
+import shutil
 import warnings
 from typing import Any, Callable, Mapping
 
 import jax
-import flax.traverse_util
-import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
-from vmoe_ext.errors import ConfigError, require
+from vmoe_ext.errors import require
+from vmoe_ext.train.fingerprint import (check_fingerprint, config_fingerprint,
+                                        fingerprint_diff, normalise_json,
+                                        with_filled_model)
+from vmoe_ext.train.orbax_quiet import (is_io_failure, join_threads,
+                                        orbax_threads, os_errno, quiet_orbax,
+                                        release_abandoned_tasks, short_reason)
 
 STATE, EXTRA, FINGERPRINT = "state", "extra", "fingerprint"
+PURPOSES = ("resume", "evaluate")
 
 
 class CheckpointError(RuntimeError):
-  """Checkpoints exist but none of them can be restored."""
+  """A checkpoint directory cannot be used: checkpoints exist but none of
+  them can be restored (or, as `CheckpointSaveError`, one cannot be written).
+  """
+
+
+class CheckpointSaveError(CheckpointError):
+  """Writing a checkpoint failed (e.g. the disk is full); nothing of that
+  step is left for `restore` to take.
+
+  Attributes:
+    directory: the checkpoint directory.
+    step: the step that could not be saved.
+    errno: the OS error number (`errno.ENOSPC` for a full disk), or None.
+  """
+
+  def __init__(self, message: str, *, directory: str, step: int,
+               os_errno: int | None):
+    super().__init__(message)
+    self.directory = directory
+    self.step = step
+    self.errno = os_errno
 
 
 def _is_typed_key(x: Any) -> bool:
@@ -89,47 +122,7 @@ def _from_restored(target: Any, value: Any) -> Any:
   return value
 
 
-def _normalise_json(value: Any, name: str) -> Any:
-  try:
-    return json.loads(json.dumps(value, sort_keys=True))
-  except (TypeError, ValueError) as e:
-    raise TypeError(f"{name} must be JSON-serialisable: {e}") from e
-
-
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-  if isinstance(tree, Mapping) and tree:
-    out = {}
-    for k, v in tree.items():
-      out.update(_flatten(v, f"{prefix}{k}/"))
-    return out
-  return {prefix.rstrip("/") or "<root>": tree}
-
-
-def fingerprint_diff(stored: Any, current: Any) -> list[str]:
-  """Keys (nested dicts flattened with "/") whose values differ, sorted."""
-  a, b = _flatten(stored), _flatten(current)
-  missing = object()
-  return sorted(k for k in set(a) | set(b)
-                if a.get(k, missing) != b.get(k, missing))
-
-
-def config_fingerprint(config: ml_collections.ConfigDict,
-                       params: Any) -> dict:
-  """What a workdir's checkpoint must match to be resumed or evaluated with
-  `config`: model config, data name, parameter shapes, optimizer name.
-
-  `params` may hold arrays or `jax.ShapeDtypeStruct`s (only shapes are used).
-  """
-  shapes = jax.tree.map(lambda x: list(np.shape(x)), params)
-  flat = flax.traverse_util.flatten_dict(shapes, sep="/")
-  return {"model": config.model.to_dict(), "data": config.data.name,
-          "param_shapes": {k: flat[k] for k in sorted(flat)},
-          "optimizer": config.optimizer.name}
-
-
-def _short(value: Any, limit: int = 80) -> str:
-  text = json.dumps(value) if value is not None else "<absent>"
-  return text if len(text) <= limit else text[:limit - 3] + "..."
+# -------------------------------------------------------------------- manager
 
 
 class CheckpointManager:
@@ -141,11 +134,14 @@ class CheckpointManager:
       0 means only forced saves.
     keep: how many of the newest checkpoints are kept; older ones are deleted
       after each save.
-    config_fingerprint: JSON-normalised dict of what must match to resume.
+    config_fingerprint: JSON-normalised dict of what must match to resume
+      (its "model" entry with absent fields filled with their defaults).
+    purpose: "resume" (training) or "evaluate"; shapes the messages of
+      fingerprint mismatches and unusable directories.
   """
 
   def __init__(self, directory: str, *, save_every: int, keep: int,
-               config_fingerprint: dict):
+               config_fingerprint: dict, purpose: str = "resume"):
     """Opens (creating if needed) the checkpoint directory.
 
     Args:
@@ -155,10 +151,13 @@ class CheckpointManager:
       config_fingerprint: JSON-serialisable dict describing what must match
         to resume (e.g. model config and parameter shapes); stored with each
         checkpoint and compared on restore.
+      purpose: "resume": a mismatch means another run's workdir; "evaluate":
+        the checkpoint is only read for evaluation, a mismatch names the
+        first differing config field and the optimizer is not compared.
 
     Raises:
-      ConfigError("save_every" / "keep") for invalid values; TypeError when
-      the fingerprint is not JSON-serialisable.
+      ConfigError("save_every" / "keep" / "purpose") for invalid values;
+      TypeError when the fingerprint is not JSON-serialisable.
     """
     require(isinstance(save_every, int) and not isinstance(save_every, bool)
             and save_every >= 0, "save_every",
@@ -167,11 +166,14 @@ class CheckpointManager:
             "keep", f"must be an integer >= 1, got {keep!r}")
     require(isinstance(config_fingerprint, Mapping), "config_fingerprint",
             f"must be a dict, got {type(config_fingerprint).__name__}")
+    require(purpose in PURPOSES, "purpose",
+            f"must be one of {PURPOSES}, got {purpose!r}")
     self.directory = os.path.abspath(os.fspath(directory))
     self.save_every = save_every
     self.keep = keep
-    self.config_fingerprint = _normalise_json(dict(config_fingerprint),
-                                              "config_fingerprint")
+    self.purpose = purpose
+    self.config_fingerprint = normalise_json(
+        with_filled_model(config_fingerprint), "config_fingerprint")
     self._corrupt: set[int] = set()
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep,
@@ -210,42 +212,79 @@ class CheckpointManager:
       state: pytree of jax/numpy arrays (typed PRNG keys allowed).
       extra: JSON-serialisable dict (e.g. data iterator position).
       force: save even when `should_save(step)` is false.
+
+    Raises:
+      CheckpointSaveError: writing failed (full disk, permissions, ...); the
+        partial step was removed, the older checkpoints are intact.
     """
     if not (force or self.should_save(step)):
       return
     step = int(step)
-    extra = _normalise_json(dict(extra), "extra")
+    extra = normalise_json(dict(extra), "extra")
     if step in self.all_steps():
       if step not in self._corrupt:
         return
       self._manager.delete(step)
     self._corrupt.discard(step)
     state = jax.tree.map(_to_saveable, state)
-    self._manager.save(
-        step,
-        args=ocp.args.Composite(**{
-            STATE: ocp.args.StandardSave(state),
-            EXTRA: ocp.args.JsonSave(extra),
-            FINGERPRINT: ocp.args.JsonSave(self.config_fingerprint),
-        }),
-        force=True)
-    self._manager.wait_until_finished()
+    threads = orbax_threads()
+    with quiet_orbax():
+      try:
+        self._manager.save(
+            step,
+            args=ocp.args.Composite(**{
+                STATE: ocp.args.StandardSave(state),
+                EXTRA: ocp.args.JsonSave(extra),
+                FINGERPRINT: ocp.args.JsonSave(self.config_fingerprint),
+            }),
+            force=True)
+        self._manager.wait_until_finished()
+      except Exception as e:  # pylint: disable=broad-except
+        # The other items' writer threads may still be running: let them
+        # end before removing the directory they write into.
+        join_threads(orbax_threads() - threads, timeout=60.0)
+        release_abandoned_tasks(e)
+        self._discard_partial(step)
+        if not is_io_failure(e):
+          raise
+        raise self._save_error(step, e) from e
+
+  def _discard_partial(self, step: int) -> None:
+    """Removes what a failed save of `step` left (frees the space it took)."""
+    pattern = os.path.join(glob.escape(self.directory),
+                           f"{step}.orbax-checkpoint-tmp*")
+    for path in glob.glob(pattern):
+      shutil.rmtree(path, ignore_errors=True)
+    self._manager.reload()
+
+  def _save_error(self, step: int, error: Exception) -> CheckpointSaveError:
+    code = os_errno(error)
+    if code is not None:
+      reason = os.strerror(code).lower()
+      reason = f"{reason} ({errno.errorcode.get(code, code)})"
+    else:
+      reason = short_reason(error, self.directory)
+    good = [s for s in self.all_steps() if s not in self._corrupt]
+    latest = good[-1] if good else None
+    if latest == step:  # Failed after orbax committed it (e.g. cleanup).
+      where = f"Step {step} was completed nonetheless"
+    else:
+      where = (f"The partial step {step} was removed; " + (
+          "there is no complete checkpoint there yet" if latest is None
+          else f"the newest complete checkpoint there is step {latest}"))
+    resumes = ("starts from scratch" if latest is None
+               else f"resumes from step {latest}")
+    todo = ("free space on that disk" if code in (errno.ENOSPC, errno.EDQUOT)
+            else "fix the cause")
+    return CheckpointSaveError(
+        f"could not write the checkpoint of step {step} to {self.directory}:"
+        f" {reason}. {where}. To go on, {todo} and re-run the same command: "
+        f"the run {resumes}.",
+        directory=self.directory, step=step, os_errno=code)
 
   def _check_fingerprint(self, step: int, stored: Any) -> None:
-    if stored == self.config_fingerprint:
-      return
-    stored_flat = _flatten(stored)
-    current_flat = _flatten(self.config_fingerprint)
-    diffs = fingerprint_diff(stored, self.config_fingerprint)
-    details = "; ".join(
-        f"{k}: checkpoint {_short(stored_flat.get(k))} vs config "
-        f"{_short(current_flat.get(k))}" for k in diffs[:10])
-    more = f" (and {len(diffs) - 10} more)" if len(diffs) > 10 else ""
-    raise ConfigError(
-        "workdir",
-        f"{self.directory} holds a checkpoint (step {step}) of an "
-        f"incompatible config; differing keys: {details}{more}. Use a new "
-        "workdir or restore the original config.")
+    check_fingerprint(stored, self.config_fingerprint, step=step,
+                      directory=self.directory, purpose=self.purpose)
 
   def restore(self, target_state: Any) -> tuple[Any, dict, int] | None:
     """Restores the newest readable checkpoint into `target_state`'s layout.
@@ -259,12 +298,13 @@ class CheckpointManager:
       `(state, extra, step)`, or None when the directory has no checkpoint.
 
     Raises:
-      ConfigError("workdir"): the checkpoint was saved with a different
-        `config_fingerprint` (the message lists the differing keys).
+      ConfigError: the checkpoint was saved with a different
+        `config_fingerprint` (field "workdir" listing the differing keys; for
+        purpose "evaluate", the first differing config field).
       CheckpointError: checkpoints exist but none can be read.
 
-    An unreadable checkpoint triggers a warning naming its step and a fall
-    back to the next older one.
+    An unreadable checkpoint triggers one warning naming its step and the
+    reason, and a fall back to the next older one.
     """
     leaves, treedef = jax.tree.flatten(target_state)
     abstract = treedef.unflatten([_to_restore_target(x) for x in leaves])
@@ -321,37 +361,46 @@ class CheckpointManager:
     failures = []
     for step in reversed(steps):
       try:
-        meta = self._manager.restore(step, args=ocp.args.Composite(**{
-            EXTRA: ocp.args.JsonRestore(),
-            FINGERPRINT: ocp.args.JsonRestore()}))
+        with quiet_orbax():
+          meta = self._manager.restore(step, args=ocp.args.Composite(**{
+              EXTRA: ocp.args.JsonRestore(),
+              FINGERPRINT: ocp.args.JsonRestore()}))
         stored = meta[FINGERPRINT]
         extra = meta[EXTRA]
         if not isinstance(stored, Mapping) or not isinstance(extra, Mapping):
           raise ValueError("fingerprint/extra is not a JSON object")
       except Exception as e:  # pylint: disable=broad-except
-        self._unreadable(step, e, failures)
+        self._unreadable(step, "extra/fingerprint", e, failures, steps)
         continue
       self._check_fingerprint(step, stored)
       try:
-        state = read_state(step)
+        with quiet_orbax():
+          state = read_state(step)
       except Exception as e:  # pylint: disable=broad-except
-        self._unreadable(step, e, failures)
+        self._unreadable(step, "state", e, failures, steps)
         continue
       return state, dict(extra), step
+    if self.purpose == "evaluate":
+      todo = ("Put a good checkpoint back there (a numbered step directory "
+              "from a backup), or evaluate another training run.")
+    else:
+      todo = (f"Refusing to start from scratch over them: move or delete "
+              f"{self.directory} to start the run over, or put a good "
+              "checkpoint back there (a numbered step directory from a "
+              "backup) to resume from it.")
     raise CheckpointError(
-        f"none of the checkpoints in {self.directory} can be restored "
-        "(refusing to start from scratch over them): "
-        + "; ".join(failures))
+        f"none of the {len(steps)} checkpoints in {self.directory} can be "
+        f"restored ({'; '.join(failures)}). {todo}")
 
-  def _unreadable(self, step: int, error: Exception, failures: list) -> None:
-    reason = f"{type(error).__name__}: {error}"
-    if len(reason) > 300:
-      reason = reason[:297] + "..."
+  def _unreadable(self, step: int, item: str, error: Exception,
+                  failures: list, steps: list[int]) -> None:
+    reason = f"{item}: {short_reason(error, self.directory)}"
     failures.append(f"step {step}: {reason}")
     self._corrupt.add(step)
-    warnings.warn(
-        f"checkpoint at step {step} in {self.directory} is unreadable "
-        f"({reason}); falling back to an older checkpoint", stacklevel=4)
+    then = ("falling back to an older checkpoint" if step > steps[0]
+            else "no older checkpoint is left")
+    warnings.warn(f"checkpoint at step {step} in {self.directory} is "
+                  f"unreadable ({reason}); {then}", stacklevel=4)
 
   def close(self) -> None:
     """Waits for pending work and releases orbax resources."""
@@ -365,5 +414,5 @@ class CheckpointManager:
     self.close()
 
 
-__all__ = ["CheckpointError", "CheckpointManager", "config_fingerprint",
-           "fingerprint_diff"]
+__all__ = ["CheckpointError", "CheckpointManager", "CheckpointSaveError",
+           "PURPOSES", "config_fingerprint", "fingerprint_diff"]

@@ -246,6 +246,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
       run.save(metrics_lines=writer.num_lines())
     final = run.evaluate()
     writer.write(step, "test", final, final=True)
+    progress_line(None, f"final eval step {step}: accuracy "
+                  f"{final['accuracy']:.4f}, loss {final['loss']:.4f}")
     sections: Sequence[str] = ()
     if after_training is not None:
       sections = after_training(run=run, writer=writer)
@@ -279,11 +281,14 @@ def _train(run: Run, writer: MetricWriter, history: list, sigterm: list,
                        donate_argnums=0)
   save = lambda: run.save(metrics_lines=writer.num_lines(),
                           history=_history_to_json(history))
-  first_step, since = step, time.time()
+  # Throughput from the end of the first step on (it includes compiling).
+  timed_from, since = step + 1, time.time()
   with progress_bar(total=total, desc="train", initial=step) as bar:
     while step < total:
       run.state, metrics = train_step(run.state, next(run.train_iter))
       step += 1
+      if step == timed_from:
+        since = time.time()
       history.append(metrics)
       bar.update(1)
       log_now = step % config.train.log_every == 0 or step == total
@@ -295,11 +300,13 @@ def _train(run: Run, writer: MetricWriter, history: list, sigterm: list,
         mean = _mean_metrics(history)
         writer.write(step, "train", mean)
         bar.set_postfix(loss=f"{float(metrics['loss']):.3f}")
-        rate = (step - first_step) / max(time.time() - since, 1e-9)
+        rate = (step - timed_from) / max(time.time() - since, 1e-9)
+        speed = (f"{rate:.2f} steps/s, ETA "
+                 f"{duration((total - step) / rate)}" if rate > 0
+                 else "compiled")
         progress_line(bar, f"train step {step}/{total}: loss "
                       f"{float(mean['loss']):.4f}, accuracy "
-                      f"{float(mean['accuracy']):.4f}, {rate:.2f} steps/s, "
-                      f"ETA {duration((total - step) / max(rate, 1e-9))}")
+                      f"{float(mean['accuracy']):.4f}, {speed}")
         history = []
       if eval_now:
         result = run.evaluate()

@@ -49,7 +49,8 @@ def all_finite(tree: Any) -> Array:
 
 
 def make_train_step(model: nn.Module, *, label_smoothing: float = 0.0,
-                    learning_rate_fn: Callable[[Array], Array] | None = None
+                    learning_rate_fn: Callable[[Array], Array] | None = None,
+                    guard_weights: bool = True
                     ) -> Callable[[TrainState, Batch], tuple[TrainState,
                                                              dict]]:
   """Returns `train_step(state, batch) -> (state, metrics)` (not jitted).
@@ -60,7 +61,9 @@ def make_train_step(model: nn.Module, *, label_smoothing: float = 0.0,
   device: if the loss, the gradient norm, or any updated parameter, optimizer
   moment or collection is not finite, the update is skipped and counted in the state (`TrainState.commit`); the caller reads
   `state.nonfinite_count` when it likes (no host sync per step). Safe to jit
-  with `donate_argnums=0`.
+  with `donate_argnums=0`. `guard_weights=False` checks only the loss and
+  gradient norm (for benchmarks: `benchmarks/train_step.py` measures the
+  cost of checking the weights).
   """
 
   def train_step(state: TrainState, batch: Batch):
@@ -85,8 +88,9 @@ def make_train_step(model: nn.Module, *, label_smoothing: float = 0.0,
     grad_norm = optax.global_norm(grads)
     # The weights too: a finite gradient times an overflowing learning rate
     # gives inf parameters or moments, which must not be committed either.
-    finite = (jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-              & all_finite((params, opt_state, collections)))
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    if guard_weights:
+      finite &= all_finite((params, opt_state, collections))
     new_state = state.commit(
         state.replace(params=params, opt_state=opt_state,
                       collections=dict(collections)), finite)
