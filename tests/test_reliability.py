@@ -283,8 +283,18 @@ def assert_same_record(workdir, reference_dir):
   assert tensorboard_points(reference_dir) == expected
 
 
-def test_progress_lines_off_a_terminal(reference):
-  _, done = reference
+def test_binary_outputs_and_progress_lines_off_a_terminal(reference):
+  workdir, done = reference
+  assert "# Run report" in done.stdout
+  records = read_metrics(workdir)
+  (final,) = [r for r in records if r.get("final")]
+  assert final["split"] == "test" and final["step"] == 20
+  assert 0.0 <= final["accuracy"] <= 1.0
+  # The robustness section ran after the final evaluation.
+  assert [r["split"] for r in records[records.index(final) + 1:]] == [
+      "adversarial/fgsm", "corruption"]
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == [
+      "10", "20"]
   lines = done.stderr.splitlines()
   train = [l for l in lines if l.startswith("train step ")]
   assert [l.split(":")[0] for l in train] == [
@@ -298,21 +308,40 @@ def test_progress_lines_off_a_terminal(reference):
   assert "Traceback" not in done.stderr
 
 
-def test_kill_during_final_evaluation_then_rerun(reference, tmp_path):
+def test_sigterm_then_kill_in_final_evaluation_then_rerun(reference,
+                                                          tmp_path):
+  """One workdir through every interruption; after each resume the record
+  is exactly the reference's."""
   ref_dir, _ = reference
   workdir = str(tmp_path / "run")
+  # 1. SIGTERM (preemption) during training: a checkpoint, exit 143.
+  proc = subprocess.Popen(binary(workdir), cwd=ROOT, env=ENV,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          text=True)
+  wait_for(lambda: any(r["split"] == "train"
+                       for r in records_or_empty(workdir)), proc)
+  proc.send_signal(signal.SIGTERM)
+  _, stderr = proc.communicate(timeout=300)
+  assert proc.returncode == 143, stderr
+  assert "SIGTERM received; the checkpoint of step" in stderr
+  step = int(re.search(r"checkpoint of step (\d+)", stderr).group(1))
+  assert 5 <= step < 20
+  assert str(step) in os.listdir(os.path.join(workdir, "checkpoints"))
+  assert not any(r.get("final") for r in read_metrics(workdir))
+  # 2. The resumed run killed (-9) in the after-training evaluation, once
+  # the final line is out.
   proc = subprocess.Popen(binary(workdir), cwd=ROOT, env=ENV,
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-  # Killed in the after-training evaluation, once the final line is out.
   wait_for(lambda: any(r.get("final") for r in records_or_empty(workdir)),
            proc)
   proc.kill()
   proc.wait()
-  assert 0 < len(read_metrics(workdir)) < len(read_metrics(ref_dir))
+  assert len(read_metrics(workdir)) < len(read_metrics(ref_dir))
+  # 3. Resumed to the end: the reference's record exactly.
   done = run_binary(workdir)
   assert done.returncode == 0, done.stderr
   assert_same_record(workdir, ref_dir)
-  # A finished workdir run again: the same record, nothing twice.
+  # 4. A finished workdir run again: the same record, nothing twice.
   done = run_binary(workdir)
   assert done.returncode == 0, done.stderr
   assert_same_record(workdir, ref_dir)
@@ -339,51 +368,41 @@ def test_binary_refuses_a_workdir_in_use(tmp_path):
   assert "Traceback" not in done.stderr
 
 
-def test_sigterm_saves_and_resumes_exactly(reference, tmp_path):
-  ref_dir, _ = reference
-  workdir = str(tmp_path / "run")
-  proc = subprocess.Popen(binary(workdir), cwd=ROOT, env=ENV,
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                          text=True)
-  wait_for(lambda: any(r["split"] == "train"
-                       for r in records_or_empty(workdir)), proc)
-  proc.send_signal(signal.SIGTERM)
-  _, stderr = proc.communicate(timeout=300)
-  assert proc.returncode == 143, stderr
-  assert "SIGTERM received; the checkpoint of step" in stderr
-  step = int(re.search(r"checkpoint of step (\d+)", stderr).group(1))
-  assert 5 <= step < 20
-  assert str(step) in os.listdir(os.path.join(workdir, "checkpoints"))
-  assert not any(r.get("final") for r in read_metrics(workdir))
-  done = run_binary(workdir)
-  assert done.returncode == 0, done.stderr
-  assert_same_record(workdir, ref_dir)
+EVAL_CONFIG = (
+    "from vmoe_ext.train.config_files import load_config\n"
+    "def get_config(arg=None):\n"
+    "  c = load_config('tiny')\n"
+    "  c.robustness.checkpoint_dir = arg\n"
+    "  c.robustness.attacks = (dict(name='fgsm', eps=0.1),)\n"
+    "  c.robustness.sweep = None\n"
+    "  c.robustness.corruptions = None\n"
+    # Fields the training config left out, at their defaults: still the
+    # same config (fingerprints are compared after filling defaults).
+    "  c.model.moe.dispatcher = 'indices'\n"
+    "  c.model.moe.router.noise_std = 1.0\n"
+    "  return c\n")
 
 
-def test_evaluation_into_the_training_workdir_keeps_its_record(reference,
-                                                              tmp_path):
+@pytest.mark.parametrize("into_training_workdir", [True, False])
+def test_evaluation_binary_restores_the_training_run(reference, tmp_path,
+                                                     into_training_workdir):
   ref_dir, _ = reference
   before = read_metrics(ref_dir)
   config = tmp_path / "eval.py"
-  # Fields the training config left out, at their defaults: still the same
-  # config (compared after filling defaults).
-  config.write_text(
-      "from vmoe_ext.train.config_files import load_config\n"
-      "def get_config(arg=None):\n"
-      "  c = load_config('tiny')\n"
-      "  c.robustness.checkpoint_dir = arg\n"
-      "  c.robustness.attacks = (dict(name='fgsm', eps=0.1),)\n"
-      "  c.robustness.sweep = None\n"
-      "  c.robustness.corruptions = None\n"
-      "  c.model.moe.dispatcher = 'indices'\n"
-      "  c.model.moe.router.noise_std = 1.0\n"
-      "  return c\n")
-  done = run_binary(ref_dir, config=f"{config}:{ref_dir}")
+  config.write_text(EVAL_CONFIG)
+  workdir = ref_dir if into_training_workdir else str(tmp_path / "eval")
+  done = run_binary(workdir, config=f"{config}:{ref_dir}")
   assert done.returncode == 0, done.stderr
-  assert read_metrics(ref_dir) == before
-  evaluation = read_metrics(os.path.join(ref_dir, "evaluation"))
-  final = [r for r in before if r.get("final")][0]
-  assert evaluation[0]["split"] == "test" and evaluation[0]["final"]
-  assert evaluation[0]["accuracy"] == final["accuracy"]
-  assert [r["split"] for r in evaluation[1:]] == ["adversarial/fgsm"]
-  assert "Robustness evaluation report" in done.stdout
+  assert "# Robustness evaluation report" in done.stdout
+  assert read_metrics(ref_dir) == before  # The training record untouched.
+  out = os.path.join(ref_dir, "evaluation") if into_training_workdir \
+      else workdir
+  evaluation = read_metrics(out)
+  assert not os.path.exists(os.path.join(out, "checkpoints"))
+  # Same checkpoint, same data: the same clean and adversarial numbers.
+  trained = {r["split"]: r for r in before[before.index(
+      [r for r in before if r.get("final")][0]):]}
+  assert [r["split"] for r in evaluation] == ["test", "adversarial/fgsm"]
+  assert evaluation[0]["final"]
+  for record in evaluation:
+    assert record["accuracy"] == trained[record["split"]]["accuracy"]

@@ -3,7 +3,6 @@ computations, the evaluation-only binary, and its config errors."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -121,35 +120,6 @@ def test_robustness_config_errors(robustness, field):
 def _run(args):
   return subprocess.run([sys.executable, "-m", "vmoe_ext.main", *args],
                         cwd=ROOT, capture_output=True, text=True, timeout=900)
-
-
-def test_evaluation_binary_restores_a_training_workdir(tmp_path):
-  train_dir, eval_dir = str(tmp_path / "train"), str(tmp_path / "eval")
-  proc = _run(["--config=configs/tiny.py", f"--workdir={train_dir}",
-               "--config.train.total_steps=4", "--config.train.eval_every=0",
-               "--config.train.checkpoint_every=4",
-               "--config.optimizer.warmup_steps=1"])
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  train_lines = [json.loads(l) for l in open(
-      os.path.join(train_dir, "metrics.jsonl"))]
-  splits = {l["split"] for l in train_lines}
-  assert {"adversarial/fgsm", "adversarial/pgd", "adversarial/spsa",
-          "sweep/pgd", "corruption"} <= splits
-  for name in ("robustness_pgd.png", "corruptions.png"):
-    assert os.path.getsize(os.path.join(train_dir, name)) > 0
-  proc = _run(["--config=configs/tiny.py", f"--workdir={eval_dir}",
-               f"--config.robustness.checkpoint_dir={train_dir}"])
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  assert "# Robustness evaluation report" in proc.stdout
-  eval_lines = [json.loads(l) for l in open(
-      os.path.join(eval_dir, "metrics.jsonl"))]
-  final = [l for l in eval_lines if l.get("final")]
-  trained_final = [l for l in train_lines if l.get("final")]
-  # Same checkpoint, same data: the same clean and adversarial numbers.
-  assert final[0]["accuracy"] == trained_final[0]["accuracy"]
-  adv = lambda lines: [l for l in lines if l["split"] == "adversarial/pgd"]
-  assert adv(eval_lines)[0]["accuracy"] == adv(train_lines)[0]["accuracy"]
-  assert not os.path.exists(os.path.join(eval_dir, "checkpoints"))
 
 
 def test_evaluation_binary_without_checkpoint_is_a_clear_error(tmp_path):

@@ -3,7 +3,6 @@ errors, and the binary end to end on digits."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -259,28 +258,6 @@ def test_config_error_for_k_greater_than_e(tmp_path):
   config.model.moe.router.num_selected = 3
   with pytest.raises(ConfigError, match=r"router\.num_selected"):
     loop.setup(config, str(tmp_path))
-
-
-def test_binary_end_to_end_on_digits(tmp_path):
-  workdir = str(tmp_path / "bin")
-  proc = subprocess.run(
-      [sys.executable, "-m", "vmoe_ext.main", "--config=configs/tiny.py",
-       f"--workdir={workdir}", "--config.train.total_steps=6",
-       "--config.train.checkpoint_every=3"],
-      cwd=ROOT, capture_output=True, text=True, timeout=900)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  assert "# Run report" in proc.stdout
-  lines = [json.loads(l) for l in open(os.path.join(workdir,
-                                                     "metrics.jsonl"))]
-  (final,) = [l for l in lines if l.get("final")]
-  assert final["split"] == "test" and final["step"] == 6
-  assert 0.0 <= final["accuracy"] <= 1.0
-  # The tiny config's robustness section ran after the final evaluation.
-  assert lines.index(final) < len(lines) - 1
-  assert {l["split"] for l in lines[lines.index(final) + 1:]} == {
-      "adversarial/fgsm", "adversarial/pgd", "adversarial/spsa", "sweep/pgd",
-      "corruption"}
-  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["3", "6"]
 
 
 def test_binary_reports_config_errors_cleanly(tmp_path):

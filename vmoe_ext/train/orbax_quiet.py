@@ -123,6 +123,19 @@ def join_threads(threads: set[threading.Thread], timeout: float) -> None:
     threading.Thread.join(thread, max(0.0, deadline - time.monotonic()))
 
 
+def chained(error: BaseException) -> Iterator[BaseException]:
+  """`error` and every exception reachable from it (causes, contexts, the
+  members of exception groups), each once."""
+  seen, stack = set(), [error]
+  while stack:
+    e = stack.pop()
+    if e is None or id(e) in seen:
+      continue
+    seen.add(id(e))
+    yield e
+    stack += [e.__cause__, e.__context__, *getattr(e, "exceptions", ())]
+
+
 def release_abandoned_tasks(error: BaseException) -> None:
   """Finalises the asyncio tasks of a failed orbax save now, inside
   `quiet_orbax`, rather than at exit (where each would print a traceback).
@@ -130,19 +143,13 @@ def release_abandoned_tasks(error: BaseException) -> None:
   They are kept alive by the frames in `error`'s tracebacks; clearing those
   frames' locals (the tracebacks still print) lets `gc` collect them.
   """
-  seen, stack = set(), [error]
-  while stack:
-    e = stack.pop()
-    if e is None or id(e) in seen:
-      continue
-    seen.add(id(e))
+  for e in chained(error):
     traceback.clear_frames(e.__traceback__)
-    stack += [e.__cause__, e.__context__, *getattr(e, "exceptions", ())]
   gc.collect()
 
 
 def short_reason(error: BaseException, directory: str,
-                  limit: int = 200) -> str:
+                 limit: int = 200) -> str:
   """One line about `error`: tensorstore's specs and paths left out."""
   while "TensorStore details" in str(error) and error.__cause__ is not None:
     error = error.__cause__  # Orbax's wrapper only prints the spec.
@@ -163,12 +170,7 @@ def short_reason(error: BaseException, directory: str,
 def os_errno(error: BaseException) -> int | None:
   """The OS error number behind `error` (its causes, contexts, groups and
   tensorstore's `[os_error_code='28']` included), or None."""
-  seen, stack = set(), [error]
-  while stack:
-    e = stack.pop()
-    if e is None or id(e) in seen:
-      continue
-    seen.add(id(e))
+  for e in chained(error):
     if isinstance(e, OSError) and e.errno:
       return e.errno
     code = re.search(r"os_error_code='?(\d+)", str(e))
@@ -176,7 +178,6 @@ def os_errno(error: BaseException) -> int | None:
       return int(code.group(1))
     if "No space left on device" in str(e):
       return errno.ENOSPC
-    stack += [e.__cause__, e.__context__, *getattr(e, "exceptions", ())]
   return None
 
 
@@ -185,5 +186,5 @@ def is_io_failure(error: BaseException) -> bool:
       re.match(r"[A-Z][A-Z_]+: ", str(error)))  # A tensorstore status.
 
 
-__all__ = ["is_io_failure", "join_threads", "orbax_threads", "os_errno",
+__all__ = ["chained", "is_io_failure", "join_threads", "orbax_threads", "os_errno",
            "quiet_orbax", "release_abandoned_tasks", "short_reason"]
