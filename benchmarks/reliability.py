@@ -393,8 +393,8 @@ def main() -> int:
   if args.json:
     Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
   passed = len(results) - len(failed)
-  print(f"{passed} of {len(results)} invalid inputs: exit 2, field named, "
-        "no traceback")
+  print(f"{passed} of {len(results)} cases (invalid inputs and overrides "
+        "that must parse): exit 2, field named, no traceback")
   return 0 if not failed else 1
 
 
