@@ -23,13 +23,13 @@ are looked up with the selector's overridden value, wherever its flag stands.
 from __future__ import annotations
 
 import ast
-import difflib
 from typing import Any, Optional, Sequence
 
 import ml_collections
 from ml_collections import config_dict
 
-from vmoe_ext.config.schema import Field, Section, Seq, Spec, plain
+from vmoe_ext.config.schema import (Field, Section, Seq, Spec, plain,
+                                    unknown_message)
 from vmoe_ext.config.sections import CONFIG
 from vmoe_ext.errors import ConfigError
 
@@ -98,11 +98,8 @@ def field_spec(field: str, preview: dict) -> Optional[Spec]:
       raise ConfigError(".".join(walked + [e.field]), e.reason) from e
     walked.append(part)
     if part not in fields:
-      known = sorted(fields)
-      close = difflib.get_close_matches(part, known, n=1)
-      hint = f"did you mean {close[0]!r}? " if close else ""
-      raise ConfigError(".".join(walked), f"unknown field ({PREFIX}{field}); "
-                        f"{hint}known fields: {known}")
+      raise ConfigError(".".join(walked), f"({PREFIX}{field}) " +
+                        unknown_message(part, sorted(fields)))
     spec = fields[part]
     value = section.get(part)
   return spec

@@ -194,7 +194,7 @@ def _check_field(spec: Field, value: Any, path: str) -> None:
                         f"{list(listed)}")
 
 
-def _unknown_message(key: str, known: list[str]) -> str:
+def unknown_message(key: str, known: list[str]) -> str:
   close = difflib.get_close_matches(key, known, n=1)
   hint = f"did you mean {close[0]!r}? " if close else ""
   return f"unknown field; {hint}known fields: {known}"
@@ -209,7 +209,7 @@ def _check_section(spec: Section, value: Any, path: str) -> None:
   for key in value:
     if key not in fields:
       raise ConfigError(join_path(path, str(key)),
-                        _unknown_message(str(key), known))
+                        unknown_message(str(key), known))
   for key, sub in fields.items():
     sub_path = join_path(path, key)
     if key in value:
@@ -397,5 +397,6 @@ def default_fields(defaults: Mapping[str, Any],
 
 
 __all__ = ["Field", "OneOf", "REQUIRED", "Section", "Seq", "Spec",
+           "unknown_message",
            "dataclass_fields", "default_fields", "function_fields", "plain",
            "renamed_scope", "spec_for", "validate"]

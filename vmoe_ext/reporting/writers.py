@@ -107,6 +107,8 @@ class MetricWriter:
     if not self._enabled:
       return
     os.makedirs(self.workdir, exist_ok=True)
+    self._lines = (len(read_metrics(self.workdir))
+                   if os.path.exists(self.path) else 0)
     self._file = open(self.path, "a", encoding="utf-8")
     if tensorboard:
       # Imported here: tensorboardX takes ~0.3 s to import.
@@ -145,15 +147,14 @@ class MetricWriter:
       record["final"] = True
     self._file.write(json.dumps(record) + "\n")
     self._file.flush()
+    self._lines += 1
     if self._tb is not None:
       self._write_tensorboard(record)
 
   def num_lines(self) -> int:
-    """The number of complete records in `metrics.jsonl` (0 elsewhere)."""
-    if not self._enabled:
-      return 0
-    self._file.flush()
-    return len(read_metrics(self.workdir))
+    """The number of complete records in `metrics.jsonl` (0 elsewhere);
+    counted as they are written, the file is read only when opened."""
+    return self._lines if self._enabled else 0
 
   def truncate(self, after_step: Optional[int] = None, *,
                keep_lines: Optional[int] = None) -> None:
@@ -185,6 +186,7 @@ class MetricWriter:
       for record in kept:
         f.write(json.dumps(record) + "\n")
     os.replace(tmp, self.path)
+    self._lines = len(kept)
     self._file = open(self.path, "a", encoding="utf-8")
     if self._tb is not None and len(kept) < len(records):
       self._rewrite_tensorboard(kept)
