@@ -79,3 +79,69 @@ def soft_moe(x, dispatch, combine, params):
         for s in range(s_):
           y[g, s] += combine[g, s, e, p] * slot_out
   return y
+
+
+def ac_cluster_weights(tokens, clusters, num_clusters, dispersion, eps, clamp,
+                       mean):
+  """ACMoE feature weights `[E, D]`, cluster by cluster, feature by feature.
+
+  `mean`: "cluster" | "feature" | "global_pre_clamp" | "global_post_clamp" |
+  "none" (DESIGN §4.4).
+  """
+  x = np.asarray(tokens, np.float64)
+  n, d = x.shape
+  s = np.zeros((num_clusters, d))
+  for k in range(num_clusters):
+    members = [i for i in range(n) if clusters[i] == k]
+    for q in range(d):
+      if not members:
+        continue  # Empty cluster: dispersion 0.
+      mu = sum(x[i, q] for i in members) / len(members)
+      if dispersion == "mad":
+        s[k, q] = sum(abs(x[i, q] - mu) for i in members) / len(members)
+      else:
+        s[k, q] = sum((x[i, q] - mu)**2 for i in members) / len(members)
+  w = 1.0 / (s + eps)
+  pre = w.mean()
+  if clamp is not None:
+    w = np.where(w > clamp * pre, clamp * pre, w)
+  if mean == "cluster":
+    w = np.stack([w[k] / w[k].mean() for k in range(num_clusters)])
+  elif mean == "feature":
+    w = np.stack([w[:, q] / w[:, q].mean() for q in range(d)], axis=1)
+  elif mean == "global_pre_clamp":
+    w = w / pre
+  elif mean == "global_post_clamp":
+    w = w / w.mean()
+  return w
+
+
+def ac_token_scales(weights, indices, gates, valid, mix_k, mix_weights):
+  """Each token's scaling `[N, D]`: Mix-1 row, or the gate-weighted Mix-k sum."""
+  n = indices.shape[0]
+  out = np.ones((n, weights.shape[1]))
+  for i in range(n):
+    if mix_k == 1:
+      if valid[i, 0]:
+        out[i] = weights[indices[i, 0]]
+      continue
+    entries = [j for j in range(mix_k) if valid[i, j]]
+    if not entries:
+      continue
+    g = {j: float(gates[i, j]) for j in entries}
+    if mix_weights != "raw":
+      total = sum(g.values())
+      g = {j: v / total for j, v in g.items()}
+    out[i] = sum(g[j] * weights[indices[i, j]] for j in entries)
+  return out
+
+
+def top_p_choices(gates, p, cap):
+  """Per token: the experts with gate > p (at least the top-1), at most cap,
+  largest gate first."""
+  out = []
+  for row in np.asarray(gates).reshape(-1, gates.shape[-1]):
+    order = sorted(range(len(row)), key=lambda e: -row[e])
+    chosen = [e for e in order if row[e] > p][:cap] or order[:1]
+    out.append(chosen)
+  return out

@@ -104,7 +104,10 @@ def registered(registry: Any, fixed: tuple[str, ...] = (),
     require(name is not None, "name", "is required")
     registry.check(name, field="name")
     out: dict[str, Spec] = {"name": Field("str", default_name or REQUIRED)}
-    out.update(dataclass_fields(registry.get(name), exclude=fixed))
+    cls = registry.get(name)
+    out.update(dataclass_fields(cls, exclude=fixed))
+    for key in getattr(cls, "nested_routers", ()):  # e.g. ACMoE's `base`.
+      out[key] = registered(registry, fixed=fixed, default=out[key].default)
     return out
 
   return Section(fields, default=default, nullable=nullable)

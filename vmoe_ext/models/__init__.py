@@ -7,7 +7,9 @@ from typing import Any, Mapping
 from vmoe_ext.errors import ConfigError, field_scope, require
 from vmoe_ext.models.placement import resolve_moe_layers
 from vmoe_ext.models.vit import MOE_DEFAULTS, VisionTransformerMoe
+from vmoe_ext.moe.contract import SOFT
 from vmoe_ext.registry import Registry
+from vmoe_ext.routers.registry import ROUTERS
 
 # Config name -> `fn(config without name) -> VisionTransformerMoe fields`:
 # each model kind checks and completes its own config.
@@ -33,14 +35,19 @@ def vmoe_fields(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def soft_moe_vit_fields(config: dict[str, Any]) -> dict[str, Any]:
-  """A SoftMoE ViT: the "soft" router (the default), one image per group."""
+  """A SoftMoE ViT: a soft router ("soft", the default), one image per group."""
   require(config.get("moe") is not None, "model.moe",
           "model 'soft_moe_vit' needs an moe config")
   moe = dict(config["moe"])
   router = dict(moe.get("router") or {"name": "soft"})
   router.setdefault("name", "soft")
-  require(router["name"] == "soft", "model.moe.router.name",
-          f"soft_moe_vit uses the 'soft' router, got {router['name']!r}")
+  if router["name"] != "soft":  # E.g. ACMoE over a soft base router.
+    with field_scope("model.moe"):
+      kind = ROUTERS.build(router, num_experts=moe.get(
+          "num_experts", MOE_DEFAULTS["num_experts"]), parent=None).kind
+    require(kind == SOFT, "model.moe.router.name",
+            f"soft_moe_vit needs a soft router ('soft', or 'acmoe' with a "
+            f"soft base), got {router['name']!r}")
   return {**config, "moe": {**moe, "router": router}}
 
 
@@ -50,8 +57,9 @@ def build_model(config: Mapping[str, Any]) -> VisionTransformerMoe:
   `config["name"]` is one of:
     * "vit": dense ViT (`moe` must be absent or None);
     * "vit_moe": V-MoE, `moe` required (any router);
-    * "soft_moe_vit": SoftMoE ViT, `moe` required; its router is "soft" (set
-      by default; any other router name is an error), one image per group.
+    * "soft_moe_vit": SoftMoE ViT, `moe` required; its router is soft:
+      "soft" (the default) or a router over a soft base (ACMoE's SoftMoE
+      variant); one image per group.
   The remaining keys are `VisionTransformerMoe` fields. Everything is
   validated here, before any tracing; errors name the full path
   ("model.moe.router.num_selected"). The types of the fields are checked by

@@ -249,6 +249,8 @@ class VisionTransformerMoe(nn.Module):
               f"router {moe['router']['name']!r} reads the previous MoE "
               f"layer's assignment, so it cannot route the first MoE layer "
               f"(block {layers[0]})")
+      with field_scope("moe"):
+        layer.router.check_placement(layers)
     stream = dict(self.stream or DEFAULT_STREAM)
     with field_scope("stream"):
       STREAMS.build(stream, parent=None)
@@ -292,7 +294,7 @@ class VisionTransformerMoe(nn.Module):
     moe_layers = self.moe_layers
     ctx = RoutingContext(
         stream_state=STREAMS.build(self.stream, parent=None).init_state(x),
-        axis_name=self.state_axis_name)
+        axis_name=self.state_axis_name, moe_blocks=moe_layers)
     metrics: dict[str, Any] = {}
     for i in range(self.num_layers):
       x, ctx, layer_metrics = EncoderBlock(

@@ -94,10 +94,14 @@ class LayerRecord:
     assignment: the layer's `Assignment` (`[B, T, K]`).
     forward: the router's `RouterOutput.forward` pytree (or None).
     block: the encoder block index of the layer (static).
+    num_experts: E of the layer (static; -1 if unknown).
+    width: D of the layer's tokens (static; -1 if unknown).
   """
   assignment: Assignment
   forward: Any = None
   block: int = flax.struct.field(pytree_node=False, default=-1)
+  num_experts: int = flax.struct.field(pytree_node=False, default=-1)
+  width: int = flax.struct.field(pytree_node=False, default=-1)
 
 
 @flax.struct.dataclass
@@ -112,6 +116,9 @@ class RoutingContext:
       initialised before block 0 by `ResidualStream.init_state`.
     axis_name: the data-parallel axis that persistent router state is
       reduced over (static; None: no reduction).
+    moe_blocks: the encoder block indices of all the model's MoE layers
+      (static; routers whose behaviour depends on the placement, e.g. ACMoE's
+      `layers` presets, read it).
     primary: False while a residual stream evaluates the layer a second time
       (e.g. at a shifted point; static). Such a call must not sow or update
       state: the layer then passes `update_state=False` and skips its own
@@ -123,6 +130,8 @@ class RoutingContext:
   stream_state: Any = ()
   axis_name: Optional[str] = flax.struct.field(pytree_node=False,
                                                default=None)
+  moe_blocks: tuple[int, ...] = flax.struct.field(pytree_node=False,
+                                                  default=())
   primary: bool = flax.struct.field(pytree_node=False, default=True)
 
   @property
@@ -193,6 +202,20 @@ class Router(nn.Module):
   def slots_per_token(self) -> int:
     """K in `C = ceil(S*K*cf/E)`; 1 unless the router selects K experts."""
     return 1
+
+  @property
+  def assignment_width(self) -> int:
+    """K of the `[B, T, K]` assignment this router's layer leaves behind."""
+    return self.slots_per_token
+
+  def check_placement(self, moe_blocks: tuple[int, ...]) -> None:
+    """Raises ConfigError if this router cannot route MoE blocks `moe_blocks`.
+
+    Called by the model before anything is traced, with every MoE layer's
+    block index (they all use this router's config). The default accepts any
+    placement; `needs_previous` routers are checked by the model itself.
+    """
+    del moe_blocks
 
   def __call__(self, x: Array, ctx: RoutingContext, *, capacity: int,
                deterministic: bool, update_state: bool = False

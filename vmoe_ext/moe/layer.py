@@ -167,4 +167,5 @@ class MoeLayer(nn.Module):
       self.sow("intermediates", "expert_mask", mask.reshape(b, t, e))
       self.sow("intermediates", "selected_experts", assignment.expert_indices)
     return (y.astype(x.dtype), metrics,
-            LayerRecord(assignment, out.forward, ctx.layer_index))
+            LayerRecord(assignment, out.forward, ctx.layer_index,
+                        num_experts=e, width=d))

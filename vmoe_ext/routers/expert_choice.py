@@ -58,6 +58,10 @@ class ExpertChoiceRouter(Router):
 
   kind = EXPERT_CHOICE
 
+  @property
+  def assignment_width(self) -> int:
+    return self.num_experts  # Up to E experts pick a token.
+
   def __post_init__(self):
     require(self.z_loss_weight >= 0, "router.z_loss_weight",
             f"must be >= 0, got {self.z_loss_weight}")

@@ -10,6 +10,10 @@ ROUTERS = Registry("router", {
     "noisy_topk": "vmoe_ext.routers.topk:NoisyTopKRouter",
     "expert_choice": "vmoe_ext.routers.expert_choice:ExpertChoiceRouter",
     "soft": "vmoe_ext.routers.soft:SoftRouter",
+    "cosine": "vmoe_ext.routers.cosine:CosineRouter",
+    "cosine_lm": "vmoe_ext.routers.cosine:CosineLMRouter",
+    "top_p": "vmoe_ext.routers.top_p:TopPRouter",
+    "acmoe": "vmoe_ext.routers.acmoe:ACMoERouter",
 })
 
 

@@ -10,6 +10,8 @@ combination of slot outputs). A group is one image; no auxiliary loss.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -28,10 +30,16 @@ def l2_normalize(x: Array, axis: int, eps: float = 1e-6) -> Array:
 
 def soft_routing(x: Array, mu: Array, scale: Array,
                  normalize: bool = True,
-                 assigned_slots: int = 8) -> SoftRouting:
-  """Soft dispatch/combine weights; x `[G, S, D]`, mu `[D, E, P]`."""
-  if normalize:
+                 assigned_slots: int = 8,
+                 normalize_tokens: Optional[bool] = None) -> SoftRouting:
+  """Soft dispatch/combine weights; x `[G, S, D]`, mu `[D, E, P]`.
+
+  `normalize` L2-normalises the slot parameters and (unless
+  `normalize_tokens` says otherwise) the tokens.
+  """
+  if normalize if normalize_tokens is None else normalize_tokens:
     x = l2_normalize(x, axis=-1)
+  if normalize:
     mu = l2_normalize(mu, axis=0)
   logits = jnp.einsum("gsd,dep->gsep", scale * x, mu)
   g, s, e, p = logits.shape
@@ -50,10 +58,18 @@ class SoftRouter(Router):
     assigned_slots: how many of a token's largest-combine-weight slots its
       `Assignment` lists for later layers (ACMoE's SoftMoE variant mixes over
       the top 8); capped at E*P.
+    dispatch_normalized: the slots mix the L2-normalised tokens (the torch
+      SoftMoE the ACMoE authors built on) instead of the raw tokens (vmoe:
+      normalisation only inside the router); DESIGN §4.2.
+    normalize_tokens: L2-normalise the tokens inside the router (None: as
+      `normalize`). ACMoE's SoftMoE variant sets it False: it hands the
+      router tokens it has already normalised and scaled.
   """
   num_slots: int = 1
   normalize: bool = True
   assigned_slots: int = 8
+  dispatch_normalized: bool = False
+  normalize_tokens: Optional[bool] = None
 
   kind = SOFT
   needs_image_groups = True
@@ -65,7 +81,14 @@ class SoftRouter(Router):
     require(isinstance(self.assigned_slots, int) and self.assigned_slots > 0,
             "router.assigned_slots", f"must be a positive integer, got "
             f"{self.assigned_slots}")
+    require(not (self.dispatch_normalized and self.normalize_tokens is False),
+            "router.dispatch_normalized", "dispatching normalised tokens "
+            "needs normalize_tokens (None or True)")
     super().__post_init__()
+
+  @property
+  def assignment_width(self) -> int:
+    return self.assigned_slots  # Capped at E*P by `SoftRouting.assignment`.
 
   @nn.compact
   def __call__(self, x: Array, ctx: RoutingContext, *, capacity: int,
@@ -76,7 +99,10 @@ class SoftRouter(Router):
     mu = self.param("mu", nn.initializers.normal(stddev=d**-0.5),
                     (d, self.num_experts, self.num_slots))
     scale = self.param("scale", nn.initializers.ones, ())
-    routing = soft_routing(x.astype(jnp.float32), mu, scale, self.normalize,
-                           self.assigned_slots)
+    x = x.astype(jnp.float32)
+    routing = soft_routing(x, mu, scale, self.normalize, self.assigned_slots,
+                           self.normalize_tokens)
     return RouterOutput(routing,
-                        {"auxiliary_loss": jnp.zeros((), jnp.float32)})
+                        {"auxiliary_loss": jnp.zeros((), jnp.float32)},
+                        expert_inputs=(l2_normalize(x, axis=-1)
+                                       if self.dispatch_normalized else None))

@@ -2,8 +2,9 @@
 
 The routing math is the pure function `noisy_top_k`; `NoisyTopKRouter` is the
 thin linen wrapper that owns `W` and draws the noise. Routers that only change
-how logits are computed (e.g. XMoE cosine) subclass it and override
-`compute_logits`.
+how logits are computed (XMoE cosine, `vmoe_ext.routers.cosine`) subclass it
+and override `compute_logits`; routers that change the selection rule (top-p,
+`vmoe_ext.routers.top_p`) override `select`.
 """
 
 from __future__ import annotations
@@ -144,12 +145,21 @@ class NoisyTopKRouter(Router):
     if not deterministic and std > 0:
       noise = std * jax.random.normal(self.make_rng("gating"), logits.shape,
                                       logits.dtype)
-    routing, metrics = noisy_top_k(
-        logits, noise, num_selected=self.num_selected, noise_std=std,
+    routing, metrics = self.select(logits, noise, std)
+    return RouterOutput(routing, metrics)
+
+  def select(self, logits: Array, noise: Optional[Array], noise_std: float
+             ) -> tuple[TokenChoiceRouting, Metrics]:
+    """Routing and metrics from clean logits `[G, S, E]` and the noise.
+
+    Override to change the selection rule (e.g. top-p) while keeping the
+    score function (`compute_logits`) and the noise.
+    """
+    return noisy_top_k(
+        logits, noise, num_selected=self.num_selected, noise_std=noise_std,
         renormalize_gates=self.renormalize_gates,
         importance_gates=self.importance_gates,
         importance_loss_weight=self.importance_loss_weight,
         load_loss_weight=self.load_loss_weight,
         gshard_loss_weight=self.gshard_loss_weight,
         z_loss_weight=self.z_loss_weight)
-    return RouterOutput(routing, metrics)

@@ -1,0 +1,229 @@
+"""XMoE cosine routing, top-p routing, the new routers through both
+dispatchers, their configs and config errors, and ACMoE + top-p training."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import naive
+from vmoe_ext.errors import ConfigError
+from vmoe_ext.moe import MoeLayer
+from vmoe_ext.moe.contract import Assignment, LayerRecord, RoutingContext
+from vmoe_ext.routers import build_router
+from vmoe_ext.routers.top_p import top_p
+from vmoe_ext.train import loop
+from vmoe_ext.train.config_files import load_config
+from vmoe_ext.train.validate import validate_config
+
+E, D = 4, 6
+
+
+def _unit(v):
+  return v / np.maximum(np.linalg.norm(v, axis=-1, keepdims=True), 1e-4)
+
+
+@pytest.mark.parametrize("projection,learnable", [(3, True), (None, False)])
+def test_cosine_router_logits_match_numpy(rng, projection, learnable):
+  router = build_router({"name": "cosine", "num_selected": 2,
+                         "projection_dim": projection, "temperature": 0.5,
+                         "learnable_temperature": learnable}, E)
+  x = jnp.asarray(rng.normal(size=(2, 5, D)), jnp.float32)
+  variables = router.init(jax.random.key(0), x, RoutingContext(), capacity=4,
+                          deterministic=True)
+  p = variables["params"]
+  assert ("temperature" in p) == learnable
+  assert ("projection" in p) == (projection is not None)
+  h = np.asarray(x, np.float64)
+  if projection is not None:
+    h = h @ np.asarray(p["projection"], np.float64)
+  logits = _unit(h) @ _unit(np.asarray(p["embeddings"], np.float64)).T / 0.5
+  got = router.apply(variables, x, RoutingContext(), capacity=4,
+                     deterministic=True)
+  probs = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+  top = np.argsort(-probs, -1, kind="stable")[..., :2]
+  np.testing.assert_array_equal(got.routing.expert_indices, top)
+  np.testing.assert_allclose(got.routing.gates,
+                             np.take_along_axis(probs, top, -1), rtol=1e-5)
+  # Expert embeddings start orthogonal with gain 0.32 (torchscale's X-MoE).
+  emb = np.asarray(p["embeddings"])
+  gram = emb.T @ emb if emb.shape[0] >= emb.shape[1] else emb @ emb.T
+  np.testing.assert_allclose(gram, 0.32**2 * np.eye(len(gram)), atol=1e-5)
+
+
+def test_top_p_selects_exactly_the_experts_above_p_up_to_the_cap(rng):
+  logits = jnp.asarray(rng.normal(scale=1.5, size=(3, 7, 6)), jnp.float32)
+  p, cap = 0.12, 3
+  routing, metrics = top_p(logits, None, p, max_experts=cap)
+  gates = np.asarray(jax.nn.softmax(logits))
+  expected = naive.top_p_choices(gates, p, cap)
+  idx = np.asarray(routing.expert_indices).reshape(-1, cap)
+  valid = np.asarray(routing.valid).reshape(-1, cap)
+  weights = np.asarray(routing.gates).reshape(-1, cap)
+  flat = gates.reshape(-1, 6)
+  counts = []
+  for i, chosen in enumerate(expected):
+    assert list(idx[i][valid[i]]) == chosen
+    np.testing.assert_allclose(weights[i][valid[i]], flat[i][chosen],
+                               rtol=1e-6)
+    assert np.all(weights[i][~valid[i]] == 0)
+    counts.append(len(chosen))
+  assert 1 in counts and cap in counts  # Both the floor and the cap occur.
+  np.testing.assert_allclose(metrics["experts_per_token"], np.mean(counts),
+                             rtol=1e-6)
+
+
+def test_learnable_p_straight_through_gradient(rng):
+  """dL/dp = -sum over selected e of g_e dL/dw_e (straight-through mask)."""
+  logits = jnp.asarray(rng.normal(size=(2, 5, 4)), jnp.float32)
+  c = jnp.asarray(rng.normal(size=(2, 5, 3)), jnp.float32)
+
+  def loss(p):
+    routing, _ = top_p(logits, None, p, max_experts=3)
+    return jnp.sum(routing.gates * c)
+
+  grad = float(jax.grad(loss)(jnp.float32(0.2)))
+  routing, _ = top_p(logits, None, 0.2, max_experts=3)
+  top = np.asarray(jax.lax.top_k(jax.nn.softmax(logits), 3)[0])
+  expected = -np.sum(np.where(np.asarray(routing.valid), top * np.asarray(c),
+                              0))
+  np.testing.assert_allclose(grad, expected, rtol=1e-5)
+  assert grad != 0
+
+
+def _previous_ctx(rng, b, t, k):
+  idx = rng.integers(0, E, size=(b, t, k)).astype(np.int32)
+  gates = rng.uniform(0.1, 1, size=(b, t, k)).astype(np.float32)
+  record = LayerRecord(Assignment(jnp.asarray(idx), jnp.asarray(gates),
+                                  jnp.ones((b, t, k), bool)), None, block=0,
+                       num_experts=E, width=D)
+  return RoutingContext(layer_index=1, records=(record,))
+
+
+NEW_ROUTERS = {
+    "cosine": {"name": "cosine", "num_selected": 2},
+    "cosine_lm": {"name": "cosine_lm", "num_selected": 2},
+    "top_p": {"name": "top_p", "num_selected": 3, "threshold": 0.2},
+    "acmoe_swin": {"name": "acmoe", "normalization": "swin",
+                   "base": {"name": "noisy_topk", "num_selected": 2}},
+    "acmoe_top_p": {"name": "acmoe", "mix_k": 2,
+                    "base": {"name": "top_p", "num_selected": 3,
+                             "threshold": 0.2}},
+    "acmoe_soft": {"name": "acmoe", "normalization": "softmoe",
+                   "base": {"name": "soft", "num_slots": 2}},
+}
+
+
+@pytest.mark.parametrize("name", sorted(NEW_ROUTERS))
+def test_new_routers_agree_through_both_dispatchers(rng, name):
+  cfg = NEW_ROUTERS[name]
+  soft = name.endswith("soft")
+  b, t = 2, 6
+  x = jnp.asarray(rng.normal(size=(b, t, D)), jnp.float32)
+  ctx = _previous_ctx(rng, b, t, 8 if soft else 3)
+  outs = []
+  for dispatcher in ("einsum", "indices"):
+    layer = MoeLayer(router=build_router(cfg, E), hidden_size=5,
+                     group_size=None if soft else 4, capacity_factor=0.75,
+                     dispatcher=dispatcher)
+    variables = layer.init(jax.random.key(0), x, ctx)
+    (y, metrics, _) = layer.apply(variables, x, ctx)
+    outs.append((np.asarray(y), float(metrics["drop_rate"])))
+  np.testing.assert_allclose(outs[0][0], outs[1][0], rtol=1e-5, atol=1e-6)
+  assert outs[0][1] == outs[1][1]
+  assert np.abs(outs[0][0]).sum() > 0
+
+
+CONFIGS = [("xmoe", None), ("acmoe", None), ("acmoe", "language"),
+           ("acmoe", "swin"), ("acmoe_soft", None), ("top_p", None),
+           ("top_p", "learnable"), ("acmoe_top_p", None),
+           ("acmoe_top_p", "learnable")]
+
+
+@pytest.mark.parametrize("name,arg", CONFIGS)
+def test_configs_validate(name, arg):
+  validate_config(load_config(name, arg))
+
+
+def _with_router(router, layers=(1, 3)):
+  config = load_config("default")
+  config.model.moe.layers = layers
+  config.model.moe.every = None
+  config.model.moe.router = router
+  return config
+
+
+@pytest.mark.parametrize("router,field,message", [
+    ({"name": "acmoe", "layers": [1, 3]}, "model.moe.router.layers",
+     "block 1 is the first MoE layer"),
+    ({"name": "acmoe", "normalization": "lm"},
+     "model.moe.router.normalization", "unknown preset"),
+    ({"name": "acmoe", "eps": -1e-3}, "model.moe.router.eps", ">= 0"),
+    ({"name": "acmoe", "clamp": -2.0}, "model.moe.router.clamp", "> 0"),
+    ({"name": "acmoe", "mix_k": 3}, "model.moe.router.mix_k",
+     "provides 2"),
+    ({"name": "acmoe", "mix_weights": "slot_softmax"},
+     "model.moe.router.mix_weights", "only a soft layer"),
+    ({"name": "acmoe", "mix_k": 2, "mix_weights": "raw",
+      "base": {"name": "cosine_lm", "num_selected": 2}},
+     "model.moe.router.mix_weights", "raw softmax"),
+    ({"name": "acmoe", "base": {"name": "top_p", "threshold": 1.0}},
+     "model.moe.router.base.threshold", "(0, 1)"),
+    ({"name": "top_p", "threshold": 0.0}, "model.moe.router.threshold",
+     "(0, 1)"),
+    ({"name": "top_p", "num_selected": 5}, "model.moe.router.num_selected",
+     "cap"),
+    ({"name": "top_p", "load_loss_weight": 0.01},
+     "model.moe.router.load_loss_weight", "not defined"),
+    ({"name": "acmoe", "base": {"name": "noisy_topk", "num_selectd": 2}},
+     "model.moe.router.base.num_selectd", "unknown field"),
+    ({"name": "cosine", "temperature": 0.0}, "model.moe.router.temperature",
+     "> 0"),
+])
+def test_bad_input_names_the_full_field(router, field, message):
+  with pytest.raises(ConfigError) as info:
+    validate_config(_with_router(router))
+  assert info.value.field == field, str(info.value)
+  assert message in info.value.reason
+
+
+def test_ac_layer_without_an_moe_layer_before_it_names_the_layer():
+  config = _with_router({"name": "acmoe", "layers": [3]}, layers=(3,))
+  with pytest.raises(ConfigError, match="block 3 is the first MoE layer"):
+    validate_config(config)
+
+
+def test_acmoe_top_p_trains_under_jit_and_grad_and_resumes_bit_identically(
+    tmp_path):
+  def config():
+    c = load_config("tiny")
+    del c["robustness"]
+    c.model.moe.every = 1  # Blocks 0 and 1: AC on block 1.
+    c.model.moe.num_experts = 4
+    c.model.moe.router = {
+        "name": "acmoe", "normalization": "swin",
+        "base": {"name": "top_p", "num_selected": 3, "threshold": 0.2,
+                 "learnable_threshold": True}}
+    c.optimizer.warmup_steps = 1
+    c.train.update(dict(total_steps=4, log_every=2, eval_every=0,
+                        checkpoint_every=2, keep_checkpoints=3))
+    return c
+
+  straight = str(tmp_path / "straight")
+  final = loop.train_and_evaluate(config(), straight)
+  resumed = str(tmp_path / "resumed")
+  assert loop.train_and_evaluate(config(), resumed, stop_at_step=2) is None
+  assert loop.train_and_evaluate(config(), resumed) == final
+  states = []
+  for workdir in (straight, resumed):
+    run = loop.setup(config(), workdir)
+    assert run.restore() == 4
+    run.checkpoints.close()
+    states.append(run.state)
+  chex.assert_trees_all_equal(states[0].params, states[1].params)
+  router = states[0].params["encoderblock_1"]["Moe"]["router"]["base"]
+  assert float(router["threshold"]) != np.float32(0.2)  # p was trained.
+  assert np.isfinite(final["accuracy"])
