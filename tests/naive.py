@@ -66,6 +66,20 @@ def expert_choice_moe(x, token_indices, weights, params):
   return y
 
 
+def soft_routing(x, mu, scale, normalize_tokens=True):
+  """SoftMoE dispatch (softmax over tokens) and combine (over all E*P slots)
+  weights `[G, S, E, P]` of tokens `x[G, S, D]`, slots `mu[D, E, P]`."""
+  x = np.asarray(x, np.float64)
+  if normalize_tokens:
+    x = x / np.sqrt((x**2).sum(-1, keepdims=True) + 1e-6)
+  mu = np.asarray(mu, np.float64)
+  mu = mu / np.sqrt((mu**2).sum(0, keepdims=True) + 1e-6)
+  logits = np.einsum("gsd,dep->gsep", float(scale) * x, mu)
+  dispatch = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
+  combine = np.exp(logits) / np.exp(logits).sum((2, 3), keepdims=True)
+  return dispatch, combine
+
+
 def soft_moe(x, dispatch, combine, params):
   """SoftMoE output: slot inputs as weighted sums, outputs recombined."""
   x = np.asarray(x, np.float64)

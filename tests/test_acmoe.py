@@ -313,11 +313,8 @@ def test_softmoe_variant_matches_the_naive_soft_moe(rng):
   m = naive.ac_token_scales(w, idx, gates, valid, 8, "slot_softmax")
   s = xn * m.reshape(b, t, D)
   rp = variables["params"]["router"]["base"]
-  mu = np.asarray(rp["mu"], np.float64)
-  mu = mu / np.sqrt((mu**2).sum(0, keepdims=True) + 1e-6)
-  logits = np.einsum("gsd,dep->gsep", float(rp["scale"]) * s, mu)
-  disp = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
-  comb = np.exp(logits) / np.exp(logits).sum((2, 3), keepdims=True)
+  disp, comb = naive.soft_routing(s, rp["mu"], rp["scale"],
+                                  normalize_tokens=False)
   expected = naive.soft_moe(s, disp, comb, variables["params"]["Mlp"])
   np.testing.assert_allclose(np.asarray(y), expected, rtol=2e-5, atol=2e-6)
 
@@ -332,11 +329,7 @@ def test_plain_softmoe_dispatch_normalized(rng):
   xn = x.astype(np.float64)
   xn = xn / np.sqrt((xn**2).sum(-1, keepdims=True) + 1e-6)
   rp = variables["params"]["router"]
-  mu = np.asarray(rp["mu"], np.float64)
-  mu = mu / np.sqrt((mu**2).sum(0, keepdims=True) + 1e-6)
-  logits = np.einsum("gsd,dep->gsep", float(rp["scale"]) * xn, mu)
-  disp = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
-  comb = np.exp(logits) / np.exp(logits).sum((2, 3), keepdims=True)
+  disp, comb = naive.soft_routing(x, rp["mu"], rp["scale"])
   expected = naive.soft_moe(xn, disp, comb, variables["params"]["Mlp"])
   np.testing.assert_allclose(np.asarray(y), expected, rtol=2e-5, atol=2e-6)
   # Without the option the raw tokens are mixed (a different output).

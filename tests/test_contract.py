@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import naive
+from resume_check import straight_vs_resumed
 from vmoe_ext.models import build_model
 from vmoe_ext.moe.capacity import compute_capacity
 from vmoe_ext.moe.layer import MoeLayer
@@ -23,7 +24,6 @@ from vmoe_ext.routers.base import Router, RouterOutput, RoutingContext
 from vmoe_ext.routers.registry import ROUTERS
 from vmoe_ext.streams import STREAMS
 from vmoe_ext.streams.base import ResidualStream
-from vmoe_ext.train import loop
 from vmoe_ext.train.config_files import load_config
 
 
@@ -283,20 +283,8 @@ def test_v2_router_and_stream_checkpoint_and_resume_bit_identically(
                         checkpoint_every=2, keep_checkpoints=3))
     return c
 
-  straight = str(tmp_path / "straight")
-  final = loop.train_and_evaluate(config(), straight)
-  resumed = str(tmp_path / "resumed")
-  assert loop.train_and_evaluate(config(), resumed, stop_at_step=3) is None
-  assert loop.train_and_evaluate(config(), resumed) == final
-  states = []
-  for workdir in (straight, resumed):
-    run = loop.setup(config(), workdir)
-    assert run.restore() == 6
-    run.checkpoints.close()
-    states.append(run.state)
-  chex.assert_trees_all_equal(states[0].params, states[1].params)
-  chex.assert_trees_all_equal(states[0].collections, states[1].collections)
-  ema = states[0].collections["router_state"]["encoderblock_1"]["Moe"][
+  _, state = straight_vs_resumed(config, tmp_path, stop_at_step=3)
+  ema = state.collections["router_state"]["encoderblock_1"]["Moe"][
       "router"]["ema"]
   assert np.abs(np.asarray(ema)).sum() > 0  # Trained state, checkpointed.
 

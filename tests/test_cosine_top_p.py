@@ -3,19 +3,18 @@ dispatchers, their configs and config errors, and ACMoE + top-p training."""
 
 from __future__ import annotations
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import naive
+from resume_check import straight_vs_resumed
 from vmoe_ext.errors import ConfigError
 from vmoe_ext.moe import MoeLayer
 from vmoe_ext.moe.contract import Assignment, LayerRecord, RoutingContext
 from vmoe_ext.routers import build_router
 from vmoe_ext.routers.top_p import top_p
-from vmoe_ext.train import loop
 from vmoe_ext.train.config_files import load_config
 from vmoe_ext.train.validate import validate_config
 
@@ -212,18 +211,34 @@ def test_acmoe_top_p_trains_under_jit_and_grad_and_resumes_bit_identically(
                         checkpoint_every=2, keep_checkpoints=3))
     return c
 
-  straight = str(tmp_path / "straight")
-  final = loop.train_and_evaluate(config(), straight)
-  resumed = str(tmp_path / "resumed")
-  assert loop.train_and_evaluate(config(), resumed, stop_at_step=2) is None
-  assert loop.train_and_evaluate(config(), resumed) == final
-  states = []
-  for workdir in (straight, resumed):
-    run = loop.setup(config(), workdir)
-    assert run.restore() == 4
-    run.checkpoints.close()
-    states.append(run.state)
-  chex.assert_trees_all_equal(states[0].params, states[1].params)
-  router = states[0].params["encoderblock_1"]["Moe"]["router"]["base"]
+  final, state = straight_vs_resumed(config, tmp_path, stop_at_step=2)
+  router = state.params["encoderblock_1"]["Moe"]["router"]["base"]
   assert float(router["threshold"]) != np.float32(0.2)  # p was trained.
   assert np.isfinite(final["accuracy"])
+
+
+def test_router_fields_are_overridable_from_the_command_line():
+  """Nested base fields, a placement list over a preset name, None for "no
+  clamp" (which ml_collections' typed parser cannot read) all reach the model."""
+  from absl import flags as absl_flags
+  from ml_collections import config_flags
+  from vmoe_ext.config.overrides import prepare_overrides, take_none_overrides
+  config = load_config("acmoe", "swin")
+  argv = ["--config.model.moe.router.eps=0.01",
+          "--config.model.moe.router.clamp=None",
+          "--config.model.moe.router.layers=[3]",
+          "--config.model.moe.router.mix_k=2",
+          "--config.model.moe.router.dispersion=variance",
+          "--config.model.moe.router.base.noise_std=0.5"]
+  prepare_overrides(config, ["prog", *argv])
+  rest = take_none_overrides(config, ["prog", *argv])
+  assert "--config.model.moe.router.clamp=None" not in rest
+  values = absl_flags.FlagValues()
+  config_flags.DEFINE_config_dict("config", config, flag_values=values,
+                                  sys_argv=rest)
+  values(rest)
+  validate_config(values.config)
+  router = values.config.model.moe.router
+  assert router.clamp is None and router.eps == 0.01 and router.mix_k == 2
+  assert tuple(router.layers) == (3,) and router.base.noise_std == 0.5
+  assert router.dispersion == "variance" and router.base.num_selected == 2

@@ -60,13 +60,8 @@ def _naive_layer(router_cfg, variables, x, layer, mutated, group_size, e):
     idx = idx[..., :cap]
     weights = np.take_along_axis(probs.transpose(0, 2, 1), idx, -1)
     return naive.expert_choice_moe(xg, idx, weights, params)
-  mu = np.asarray(variables["params"]["router"]["mu"], np.float64)
-  scale = float(variables["params"]["router"]["scale"])
-  xn = xg / np.sqrt((xg.astype(np.float64)**2).sum(-1, keepdims=True) + 1e-6)
-  mun = mu / np.sqrt((mu**2).sum(0, keepdims=True) + 1e-6)
-  logits = np.einsum("gsd,dep->gsep", scale * xn, mun)
-  disp = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
-  comb = np.exp(logits) / np.exp(logits).sum((2, 3), keepdims=True)
+  disp, comb = naive.soft_routing(xg, variables["params"]["router"]["mu"],
+                                  variables["params"]["router"]["scale"])
   return naive.soft_moe(xg, disp, comb, params)
 
 

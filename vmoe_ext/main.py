@@ -79,10 +79,11 @@ def parse_flags(argv: list[str]) -> list[str]:
   unknown field is one clear line and every documented field can be set,
   also one the file leaves out or sets to None.
   """
-  from vmoe_ext.config.overrides import prepare_overrides
+  from vmoe_ext.config.overrides import prepare_overrides, take_none_overrides
   try:
     value, rest = _split_config_flag(argv)
     config = prepare_overrides(load_config_flag(value), rest)
+    rest = take_none_overrides(config, rest)
     config_flags.DEFINE_config_dict(
         "config", config,
         "Config file (configs/FILE.py[:ARG]); fields can be overridden with "

@@ -13,7 +13,10 @@ schema (`vmoe_ext.config.CONFIG`) for each overridden field:
 * a known field that the config lacks, or holds as None, is added as a typed
   `ml_collections` placeholder (its type from the schema, else from the value
   as a Python literal), creating the sections on the way, so the flag parser
-  sets it like any other field.
+  sets it like any other field; an untyped field (a router's `layers`, a
+  preset name or a list) is retyped to the value's own type;
+* `--config.FIELD=None` on a nullable field sets it to None
+  (`take_none_overrides`), which the typed flag parser cannot do.
 
 Fields that are not overridden are left exactly as the config file wrote them.
 Section fields that depend on a selector (`model.moe.router` on its `name`)
@@ -120,7 +123,7 @@ def _placeholder_type(spec: Optional[Spec], text: Optional[str]) -> type:
 
 
 def _add_placeholder(config: ml_collections.ConfigDict, parts: list[str],
-                     kind: type) -> None:
+                     kind: type, retype: bool = False) -> None:
   node = config
   for part in parts[:-1]:
     child = node.get(part) if part in node else None
@@ -131,6 +134,9 @@ def _add_placeholder(config: ml_collections.ConfigDict, parts: list[str],
       return  # Below a leaf: the flag parser reports it.
     node = child
   last = parts[-1]
+  if last in node and node[last] is not None and retype and not isinstance(
+      node[last], kind):
+    del node[last]  # An untyped field given a value of another type.
   if last not in node or node[last] is None:
     node[last] = config_dict.placeholder(kind)
 
@@ -158,8 +164,41 @@ def prepare_overrides(config: ml_collections.ConfigDict,
     spec = field_spec(field, preview)
     if "[" in field:
       continue
-    _add_placeholder(config, field.split("."), _placeholder_type(spec, text))
+    untyped = not isinstance(spec, (Field, Seq, Section)) or (
+        isinstance(spec, Field) and spec.kind == "any")
+    _add_placeholder(config, field.split("."), _placeholder_type(spec, text),
+                     retype=untyped and text is not None)
   return config
 
 
-__all__ = ["field_spec", "literal", "overrides", "prepare_overrides"]
+def take_none_overrides(config: ml_collections.ConfigDict,
+                        argv: Sequence[str]) -> list[str]:
+  """Applies `--config.FIELD=None` for nullable fields; returns the other args.
+
+  ml_collections parses a flag with the field's type, so "None" cannot set a
+  float field (`model.moe.router.clamp`) or becomes the string "None" in an
+  untyped one. For every field the schema marks nullable, this sets it to
+  None in `config` (creating the sections on the way) and drops the flag.
+  Call it after `prepare_overrides`, which has checked every field exists.
+  """
+  pairs = overrides(argv)
+  preview = _preview(config, pairs)
+  rest = []
+  for arg in argv:
+    field, eq, text = arg[len(PREFIX):].partition("=")
+    if (arg.startswith(PREFIX) and eq and text == "None" and "[" not in field
+        and getattr(field_spec(field, preview), "nullable", False)):
+      *parents, last = field.split(".")
+      node = config
+      for part in parents:
+        if node.get(part) is None:
+          node[part] = ml_collections.ConfigDict()
+        node = node[part]
+      node[last] = None
+      continue
+    rest.append(arg)
+  return rest
+
+
+__all__ = ["field_spec", "literal", "overrides", "prepare_overrides",
+           "take_none_overrides"]

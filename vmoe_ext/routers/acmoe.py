@@ -26,7 +26,7 @@ authors' code computes them per device batch.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Mapping, Sequence, Union
+from typing import Any, ClassVar, Mapping, Optional, Sequence, Union
 
 import flax.linen as nn
 import jax
@@ -103,7 +103,7 @@ class ACMoERouter(Router):
   normalization: str = "paper"
   dispersion: str = "mad"
   eps: Any = ac.PRESET
-  clamp: Any = ac.PRESET
+  clamp: Optional[Any] = ac.PRESET  # None: no clamp.
   mean: Any = ac.PRESET
   l2_normalize: Any = ac.PRESET
   scaled_to: Any = ac.PRESET
