@@ -3,14 +3,32 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 
-import jax
-import numpy as np
-import pytest
+# XLA compilation is most of the suite's time, and many tests (and the
+# binary's subprocesses, which inherit the environment) compile the same
+# programs: a persistent compilation cache shared by the xdist workers of one
+# run (fresh for every run, removed at its end) compiles each once.
+_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"serial{os.getpid()}"
+CACHE_DIR = os.path.join(tempfile.gettempdir(), f"vmoe_ext_jax_cache_{_RUN}")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", CACHE_DIR)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+
+import jax  # noqa: E402  (after the cache settings above)
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def pytest_sessionfinish(session, exitstatus):
+  del exitstatus
+  if not hasattr(session.config, "workerinput"):  # The controller, last.
+    shutil.rmtree(CACHE_DIR, ignore_errors=True)
 
 
 @pytest.fixture

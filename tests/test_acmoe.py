@@ -220,12 +220,12 @@ def test_data_parallel_statistics_equal_one_device():
   variables = single.init(jax.random.key(1), images)
   variables = jax.tree.map(lambda v: v + 0.3 * jax.random.normal(
       jax.random.key(2), v.shape), variables)  # Non-zero head.
-  logits, _ = single.apply(variables, images)
+  logits, _ = jax.jit(single.apply)(variables, images)
   shards = images.reshape(2, 2, 8, 8, 1)
   for axis_name, equal in (("data", True), (None, False)):
     model = _tiny_model(router, state_axis_name=axis_name)
-    out = jax.vmap(lambda x, m=model: m.apply(variables, x)[0],
-                   axis_name="data")(shards)
+    out = jax.jit(jax.vmap(lambda x, m=model: m.apply(variables, x)[0],
+                           axis_name="data"))(shards)
     close = np.allclose(np.asarray(out).reshape(logits.shape),
                         np.asarray(logits), rtol=1e-5, atol=1e-6)
     assert close == equal, axis_name

@@ -1,0 +1,134 @@
+"""Router overhead: a full V-MoE train step with each new router vs noisy top-k.
+
+    python benchmarks/router_overhead.py [--quick] [--repeats N]
+
+Issue "ACMoE, XMoE cosine and top-p", Targets. One V-MoE — B*T = 2,048
+tokens (B = 32 images of 32x32x3, patch 4: T = 64 tokens, GAP classifier),
+D = 384, H = 1,536, E = 8, K = 2, 4 blocks with MoE in blocks 1 and 3,
+cf 1.25, one routing group per 8 images — trained by the project's jitted,
+donated step (`vmoe_ext.train.steps.make_train_step`: forward, backward,
+AdamW update, NaN guard) with each router:
+
+* baseline  `noisy_topk`, top-2 (V-MoE);
+* xmoe      `cosine` (projection to 16, learnable temperature), top-2;
+* acmoe     `acmoe` `swin` preset over noisy top-2: the AC transform (MAD
+            statistics of the whole batch, clamp, scaled tokens to the router
+            and the experts) in block 3, the plain base router in block 1;
+* topp      `top_p` p = 0.05, cap 2 (the cap sets the expert buffers, so the
+            expert compute equals top-2's and the figure is the router's).
+
+The candidates run interleaved (median of `--repeats` rounds of `STEPS`
+steps each, after a warm-up). The last line is one JSON object with
+`acmoe_overhead`, `xmoe_overhead`, `topp_overhead` = step time / baseline - 1
+(target <= 0.02 each; the ACMoE paper reports about 0.01), the ms per step of
+each and the XLA FLOPs of each step relative to the baseline (noise-free).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import machine, parse_args, print_json_last  # noqa: E402
+
+from vmoe_ext.models import build_model  # noqa: E402
+from vmoe_ext.train.optimizer import (make_learning_rate,  # noqa: E402
+                                      make_optimizer)
+from vmoe_ext.train.state import TrainState  # noqa: E402
+from vmoe_ext.train.steps import make_train_step  # noqa: E402
+
+ROUTERS = {
+    "baseline": {"name": "noisy_topk", "num_selected": 2},
+    "xmoe": {"name": "cosine", "num_selected": 2},
+    "acmoe": {"name": "acmoe", "normalization": "swin",
+              "base": {"name": "noisy_topk", "num_selected": 2}},
+    "topp": {"name": "top_p", "num_selected": 2, "threshold": 0.05,
+             "load_loss_weight": 0.0},
+}
+OPTIMIZER = {"name": "adamw", "learning_rate": 1e-3, "warmup_steps": 0,
+             "decay": "cosine", "total_steps": 10_000, "weight_decay": 1e-4,
+             "weight_decay_mask": "no_bias_norm", "clip_global_norm": 1.0}
+
+
+def shapes(quick: bool) -> dict:
+  if quick:  # B*T = 256 tokens, D = 64, H = 256, E = 4.
+    return dict(batch=16, image=16, hidden=64, mlp=256, heads=4, experts=4)
+  return dict(batch=32, image=32, hidden=384, mlp=1536, heads=6, experts=8)
+
+
+def model_config(router: dict, s: dict) -> dict:
+  tokens_per_image = (s["image"] // 4)**2
+  return dict(name="vit_moe", num_classes=10, patch_size=(4, 4),
+              hidden_size=s["hidden"], num_layers=4, num_heads=s["heads"],
+              mlp_dim=s["mlp"], classifier="gap",
+              moe=dict(layers=(1, 3), num_experts=s["experts"],
+                       capacity_factor=1.25, group_size=8 * tokens_per_image,
+                       router=router))
+
+
+def main(argv=None) -> dict:
+  args = parse_args(__doc__.splitlines()[0], argv)
+  s = shapes(args.quick)
+  steps = 5 if args.quick else 10
+  repeats = max(3, args.repeats)
+  rng = np.random.default_rng(0)
+  batch = {"image": jnp.asarray(rng.random(
+      (s["batch"], s["image"], s["image"], 3), np.float32)),
+           "label": jnp.asarray(rng.integers(0, 10, s["batch"]), jnp.int32)}
+  tx = make_optimizer(OPTIMIZER)
+  lr = make_learning_rate(OPTIMIZER)
+  steps_fns, states, flops = {}, {}, {}
+  for name, router in ROUTERS.items():
+    model = build_model(model_config(router, s))
+    init_key, state_key = jax.random.split(jax.random.key(0))
+    variables = jax.jit(model.init)(init_key, batch["image"])
+    states[name] = TrainState.create(variables, tx, state_key)
+    fn = jax.jit(make_train_step(model, learning_rate_fn=lr),
+                 donate_argnums=0)
+    compiled = fn.lower(states[name], batch).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    flops[name] = float(cost.get("flops", float("nan")))
+    steps_fns[name] = fn
+
+  def run(name):
+    state = jax.tree.map(jnp.copy, states[name])
+    fn = steps_fns[name]
+    for _ in range(steps):
+      state, _ = fn(state, batch)
+    return state.params
+
+  for name in ROUTERS:  # Warm-up.
+    jax.block_until_ready(run(name))
+  samples: dict[str, list[float]] = {name: [] for name in ROUTERS}
+  for _ in range(repeats):
+    for name in ROUTERS:
+      start = time.perf_counter()
+      jax.block_until_ready(run(name))
+      samples[name].append(time.perf_counter() - start)
+  ms = {n: statistics.median(v) / steps * 1e3 for n, v in samples.items()}
+  print(f"machine: {machine()}")
+  print(f"B*T = {s['batch'] * (s['image'] // 4)**2} tokens, D={s['hidden']}, "
+        f"H={s['mlp']}, E={s['experts']}, K=2, MoE blocks 1 and 3; {steps} "
+        f"steps per sample, median of {repeats} (state copy included)")
+  for name in ROUTERS:
+    print(f"{name:<9}{ms[name]:>10.2f} ms/step  "
+          f"{flops[name] / 1e9:>8.2f} GFLOPs")
+  figures = {"quick": bool(args.quick), "device": jax.devices()[0].device_kind}
+  for name in ("acmoe", "xmoe", "topp"):
+    figures[f"{name}_overhead"] = ms[name] / ms["baseline"] - 1
+    figures[f"{name}_flops_overhead"] = flops[name] / flops["baseline"] - 1
+  figures.update({f"{n}_ms_per_step": v for n, v in ms.items()})
+  print_json_last(figures)
+  return figures
+
+
+if __name__ == "__main__":
+  main()
