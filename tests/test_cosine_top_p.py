@@ -75,6 +75,19 @@ def test_top_p_selects_exactly_the_experts_above_p_up_to_the_cap(rng):
                              rtol=1e-6)
 
 
+@pytest.mark.parametrize("which", ["clean", "noisy"])
+def test_top_p_importance_loss_of_the_chosen_gates(rng, which):
+  logits = rng.normal(size=(2, 9, 4)).astype(np.float32)
+  noise = rng.normal(scale=0.3, size=logits.shape).astype(np.float32)
+  _, metrics = top_p(jnp.asarray(logits), jnp.asarray(noise), 0.1,
+                     max_experts=2, importance_gates=which)
+  z = logits + noise if which == "noisy" else logits
+  g = np.exp(z) / np.exp(z).sum(-1, keepdims=True)
+  imp = g.sum(1)  # [G, E]
+  expected = np.mean(imp.var(-1) / imp.mean(-1)**2)
+  np.testing.assert_allclose(metrics["importance_loss"], expected, rtol=1e-5)
+
+
 def test_learnable_p_straight_through_gradient(rng):
   """dL/dp = -sum over selected e of g_e dL/dw_e (straight-through mask)."""
   logits = jnp.asarray(rng.normal(size=(2, 5, 4)), jnp.float32)

@@ -12,7 +12,8 @@ DynMoE's top-any gating: the selection mask is `1[g > p]` in the forward pass
 and has derivative -1 with respect to `p` in the backward pass, so
 `dL/dp = -sum over selected e of g_e dL/dw_e` (w the combine weights).
 
-Auxiliary losses: the importance loss (clean softmax), and optionally GShard
+Auxiliary losses: the importance loss (of the clean softmax, or of the noisy
+gates with `importance_gates="noisy"`), and optionally GShard
 and z-loss, as the top-k router. The noisy-top-k load loss is defined through
 the K-th largest logit and has no top-p counterpart: its weight must be 0.
 """
@@ -35,6 +36,7 @@ Array = jax.Array
 
 def top_p(logits: Array, noise: Optional[Array], threshold: Array | float, *,
           max_experts: int, renormalize_gates: bool = False,
+          importance_gates: str = "clean",
           importance_loss_weight: float = 0.005,
           gshard_loss_weight: float = 0.0,
           z_loss_weight: float = 0.0) -> tuple[TokenChoiceRouting, Metrics]:
@@ -47,6 +49,8 @@ def top_p(logits: Array, noise: Optional[Array], threshold: Array | float, *,
       straight-through estimator of the module doc).
     max_experts: the static cap K on experts per token.
     renormalize_gates: combine with the selected gates divided by their sum.
+    importance_gates: the importance loss of `softmax(l)` ("clean") or of
+      the noisy gates ("noisy"), as `noisy_top_k`.
     *_loss_weight: weights of the auxiliary losses.
 
   Returns:
@@ -69,7 +73,8 @@ def top_p(logits: Array, noise: Optional[Array], threshold: Array | float, *,
     weights = weights / total
   weights = jnp.where(valid, weights, 0)
 
-  importance = losses.importance_loss(jax.nn.softmax(logits))
+  importance = losses.importance_loss(
+      gates if importance_gates == "noisy" else jax.nn.softmax(logits))
   gshard = losses.gshard_loss(gates, top_idx[..., 0])
   z = losses.z_loss(logits)
   metrics = {
@@ -122,6 +127,7 @@ class TopPRouter(NoisyTopKRouter):
       p = self.param("threshold", lambda *_: jnp.float32(self.threshold))
     return top_p(logits, noise, p, max_experts=self.num_selected,
                  renormalize_gates=self.renormalize_gates,
+                 importance_gates=self.importance_gates,
                  importance_loss_weight=self.importance_loss_weight,
                  gshard_loss_weight=self.gshard_loss_weight,
                  z_loss_weight=self.z_loss_weight)
