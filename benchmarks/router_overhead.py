@@ -17,26 +17,34 @@ AdamW update, NaN guard) with each router:
 * topp      `top_p` p = 0.05, cap 2 (the cap sets the expert buffers, so the
             expert compute equals top-2's and the figure is the router's).
 
-The candidates run interleaved (median of `--repeats` rounds of `STEPS`
-steps each, after a warm-up). The last line is one JSON object with
-`acmoe_overhead`, `xmoe_overhead`, `topp_overhead` = step time / baseline - 1
-(target <= 0.02 each; the ACMoE paper reports about 0.01), the ms per step of
-each and the XLA FLOPs of each step relative to the baseline (noise-free).
+Each candidate's step is compiled once (ahead of time, state donated) and
+its XLA FLOP count read from that executable. Timing is
+`common.time_side_by_side`: interleaved rounds, median of `--repeats`, after
+one warm-up; one sample is `STEPS` consecutive steps of the candidate's own
+state, carried over from sample to sample (no state copy in the timed
+region; the shapes are static, so the cost does not depend on the values).
+The last line is one JSON object with `acmoe_overhead`, `xmoe_overhead`,
+`topp_overhead` = step time / baseline - 1 (target <= 0.02 each; the ACMoE
+paper reports about 0.01), the ms per step of each and the XLA FLOPs of each
+step relative to the baseline (`*_flops_overhead`, noise-free).
+
+`--quick`: B*T = 256 tokens (16 images of 16x16x3, T = 16), D = 64, H = 256,
+E = 8, 5 steps per sample, for a smoke run; there the fixed per-op costs of
+the routers are not amortised and the overheads are larger.
 """
 
 from __future__ import annotations
 
 import os
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import machine, parse_args, print_json_last  # noqa: E402
+from common import (machine, parse_args,  # noqa: E402
+                    print_json_last, time_side_by_side)
 
 from vmoe_ext.models import build_model  # noqa: E402
 from vmoe_ext.train.optimizer import (make_learning_rate,  # noqa: E402
@@ -52,14 +60,15 @@ ROUTERS = {
     "topp": {"name": "top_p", "num_selected": 2, "threshold": 0.05,
              "load_loss_weight": 0.0},
 }
+STEPS = 10  # Train steps per timed sample (5 with --quick).
 OPTIMIZER = {"name": "adamw", "learning_rate": 1e-3, "warmup_steps": 0,
              "decay": "cosine", "total_steps": 10_000, "weight_decay": 1e-4,
              "weight_decay_mask": "no_bias_norm", "clip_global_norm": 1.0}
 
 
 def shapes(quick: bool) -> dict:
-  if quick:  # B*T = 256 tokens, D = 64, H = 256, E = 4.
-    return dict(batch=16, image=16, hidden=64, mlp=256, heads=4, experts=4)
+  if quick:  # B*T = 256 tokens, D = 64, H = 256, E = 8.
+    return dict(batch=16, image=16, hidden=64, mlp=256, heads=4, experts=8)
   return dict(batch=32, image=32, hidden=384, mlp=1536, heads=6, experts=8)
 
 
@@ -76,7 +85,7 @@ def model_config(router: dict, s: dict) -> dict:
 def main(argv=None) -> dict:
   args = parse_args(__doc__.splitlines()[0], argv)
   s = shapes(args.quick)
-  steps = 5 if args.quick else 10
+  steps = STEPS // 2 if args.quick else STEPS
   repeats = max(3, args.repeats)
   rng = np.random.default_rng(0)
   batch = {"image": jnp.asarray(rng.random(
@@ -90,34 +99,30 @@ def main(argv=None) -> dict:
     init_key, state_key = jax.random.split(jax.random.key(0))
     variables = jax.jit(model.init)(init_key, batch["image"])
     states[name] = TrainState.create(variables, tx, state_key)
-    fn = jax.jit(make_train_step(model, learning_rate_fn=lr),
-                 donate_argnums=0)
-    compiled = fn.lower(states[name], batch).compile()
-    cost = compiled.cost_analysis()
+    compiled = jax.jit(make_train_step(model, learning_rate_fn=lr),
+                       donate_argnums=0).lower(states[name], batch).compile()
+    cost = compiled.cost_analysis()  # As `common.xla_flops`, one compile.
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     flops[name] = float(cost.get("flops", float("nan")))
-    steps_fns[name] = fn
+    steps_fns[name] = compiled
 
   def run(name):
-    state = jax.tree.map(jnp.copy, states[name])
-    fn = steps_fns[name]
+    state = states[name]
     for _ in range(steps):
-      state, _ = fn(state, batch)
+      state, _ = steps_fns[name](state, batch)
+    states[name] = state  # The old buffers were donated.
     return state.params
 
-  for name in ROUTERS:  # Warm-up.
-    jax.block_until_ready(run(name))
-  samples: dict[str, list[float]] = {name: [] for name in ROUTERS}
-  for _ in range(repeats):
-    for name in ROUTERS:
-      start = time.perf_counter()
-      jax.block_until_ready(run(name))
-      samples[name].append(time.perf_counter() - start)
-  ms = {n: statistics.median(v) / steps * 1e3 for n, v in samples.items()}
+  seconds = time_side_by_side({n: (lambda n=n: run(n)) for n in ROUTERS},
+                              repeats, warmup=1)
+  ms = {n: v / steps * 1e3 for n, v in seconds.items()}
+  skipped = {n: int(jax.device_get(st.nonfinite_count))
+             for n, st in states.items()}
   print(f"machine: {machine()}")
   print(f"B*T = {s['batch'] * (s['image'] // 4)**2} tokens, D={s['hidden']}, "
         f"H={s['mlp']}, E={s['experts']}, K=2, MoE blocks 1 and 3; {steps} "
-        f"steps per sample, median of {repeats} (state copy included)")
+        f"steps per sample, median of {repeats}; non-finite steps "
+        f"skipped: {skipped}")
   for name in ROUTERS:
     print(f"{name:<9}{ms[name]:>10.2f} ms/step  "
           f"{flops[name] / 1e9:>8.2f} GFLOPs")
@@ -126,6 +131,7 @@ def main(argv=None) -> dict:
     figures[f"{name}_overhead"] = ms[name] / ms["baseline"] - 1
     figures[f"{name}_flops_overhead"] = flops[name] / flops["baseline"] - 1
   figures.update({f"{n}_ms_per_step": v for n, v in ms.items()})
+  figures.update({f"{n}_gflops_per_step": v / 1e9 for n, v in flops.items()})
   print_json_last(figures)
   return figures
 
