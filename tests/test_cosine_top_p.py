@@ -255,3 +255,12 @@ def test_router_fields_are_overridable_from_the_command_line():
   assert router.clamp is None and router.eps == 0.01 and router.mix_k == 2
   assert tuple(router.layers) == (3,) and router.base.noise_std == 0.5
   assert router.dispersion == "variance" and router.base.num_selected == 2
+
+
+def test_soft_moe_vit_takes_acmoe_over_soft_but_not_a_token_choice_router():
+  config = load_config("acmoe_soft")
+  validate_config(config)
+  config.model.moe.router = {"name": "acmoe", "base": {"name": "noisy_topk"}}
+  with pytest.raises(ConfigError, match="needs a soft router") as info:
+    validate_config(config)
+  assert info.value.field == "model.moe.router.name"

@@ -41,13 +41,12 @@ def soft_moe_vit_fields(config: dict[str, Any]) -> dict[str, Any]:
   moe = dict(config["moe"])
   router = dict(moe.get("router") or {"name": "soft"})
   router.setdefault("name", "soft")
-  if router["name"] != "soft":  # E.g. ACMoE over a soft base router.
-    with field_scope("model.moe"):
-      kind = ROUTERS.build(router, num_experts=moe.get(
-          "num_experts", MOE_DEFAULTS["num_experts"]), parent=None).kind
-    require(kind == SOFT, "model.moe.router.name",
-            f"soft_moe_vit needs a soft router ('soft', or 'acmoe' with a "
-            f"soft base), got {router['name']!r}")
+  with field_scope("model.moe"):  # "soft", or e.g. ACMoE over a soft base.
+    kind = ROUTERS.build(router, num_experts=moe.get(
+        "num_experts", MOE_DEFAULTS["num_experts"]), parent=None).kind
+  require(kind == SOFT, "model.moe.router.name",
+          f"soft_moe_vit needs a soft router ('soft', or 'acmoe' with a "
+          f"soft base), got {router['name']!r}")
   return {**config, "moe": {**moe, "router": router}}
 
 
