@@ -249,6 +249,24 @@ def test_placement_presets_match_the_paper():
   assert resolve_ac_layers([3, 5], swin) == (3, 5)
 
 
+@pytest.mark.parametrize("preset,placement", [
+    ("paper", (1, 2, 3, 4, 5)), ("language", (2, 3, 4, 5)),
+    ("swin", (1, 2, 3, 4, 5)), ("softmoe", (1, 2, 3, 4, 5))])
+def test_placement_defaults_to_where_the_authors_runs_put_it(preset,
+                                                             placement):
+  """DESIGN §4.4 "first AC layer in the runs": LM code from the 3rd of 6 MoE
+  layers; Swin, SoftMoE (and the paper's Definition 2) from the 2nd."""
+  base = {"name": "soft"} if preset == "softmoe" else {"name": "noisy_topk"}
+  router = build_router({"name": "acmoe", "normalization": preset,
+                         "base": base}, E)
+  ctx = RoutingContext(moe_blocks=tuple(range(6)))
+  assert tuple(b for b in range(6)
+               if router.is_ac_layer(ctx.at_layer(b))) == placement
+  router = build_router({"name": "acmoe", "normalization": "language",
+                         "layers": "full"}, E)
+  assert router.is_ac_layer(ctx.at_layer(1))
+
+
 @pytest.mark.parametrize("layers,blocks,message", [
     ([1, 3], (1, 3, 5), "block 1 is the first MoE layer"),
     ([2], (1, 3, 5), "block 2 is not an MoE block"),

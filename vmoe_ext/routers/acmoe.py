@@ -14,7 +14,8 @@ out) it is the base router unchanged, with the same parameters.
 Placement (`layers`), over the model's MoE layers m = 0..n-1 (block indices
 in `RoutingContext.moe_blocks`; the paper's appendix C.5.2):
 "full" m >= 1, "skip1" m >= 2, "skip2" m >= 3, "alternating" odd m,
-"back_half" m >= n // 2, or an explicit list of block indices. An AC layer
+"back_half" m >= n // 2, or an explicit list of block indices; "preset"
+(the default) is where the authors' runs put it (`PRESET_LAYERS`). An AC layer
 needs an MoE layer before it: placing one on the first MoE block is a config
 error naming `router.layers`.
 
@@ -42,6 +43,12 @@ from vmoe_ext.routers.soft import l2_normalize
 
 Array = jax.Array
 LAYER_PRESETS = ("full", "skip1", "skip2", "alternating", "back_half")
+# `layers="preset"`: where the authors' runs put the first AC layer (DESIGN
+# §4.4 table): LM code on MoE layers 3-6 of 6 (skip-1), Swin from the 2nd MoE
+# block of the stage and SoftMoE from the 2nd MoE layer (full); the paper's
+# Definition 2 from the 2nd MoE layer on (full).
+PRESET_LAYERS = {"paper": "full", "language": "skip1", "swin": "full",
+                 "softmoe": "full"}
 TRANSFORMS = ("adaptive", "random")
 _OPTION_FIELDS = ("eps", "clamp", "mean", "l2_normalize", "scaled_to",
                   "mix_k", "mix_weights")
@@ -93,7 +100,8 @@ class ACMoERouter(Router):
     dispersion: "mad" or "variance".
     eps, clamp, mean, l2_normalize, scaled_to, mix_k, mix_weights: the
       `adaptive_clustering.ACOptions` fields; "preset" takes the preset's.
-    layers: placement preset or explicit list of MoE block indices.
+    layers: placement preset or explicit list of MoE block indices;
+      "preset": the normalization preset's (`PRESET_LAYERS`).
     transform: "adaptive" (the AC transform) or "random" (the ablation:
       one diagonal `max(N(1, 0.5), 0)` per layer, fixed by `random_seed`).
     random_seed: seed of the random-diagonal ablation.
@@ -109,7 +117,7 @@ class ACMoERouter(Router):
   scaled_to: Any = ac.PRESET
   mix_k: Any = ac.PRESET
   mix_weights: Any = ac.PRESET
-  layers: Union[str, tuple[int, ...]] = "full"
+  layers: Union[str, tuple[int, ...]] = ac.PRESET
   transform: str = "adaptive"
   random_seed: int = 0
 
@@ -122,8 +130,8 @@ class ACMoERouter(Router):
     require(isinstance(self.random_seed, int) and self.random_seed >= 0,
             "router.random_seed", f"must be an integer >= 0, got "
             f"{self.random_seed!r}")
-    if isinstance(self.layers, str):
-      resolve_ac_layers(self.layers, (0, 1, 2, 3))  # Checks the name only.
+    if isinstance(self.placement, str):  # Checks the name only.
+      resolve_ac_layers(self.placement, tuple(range(8)))
     base = self.base_prototype()
     soft = base.kind == SOFT
     require(soft or opts.scaled_to != "dispatch", "router.scaled_to",
@@ -148,6 +156,13 @@ class ACMoERouter(Router):
             f"the previous layer (base {self.base.get('name')!r}) provides "
             f"{base.assignment_width}")
     super().__post_init__()
+
+  @property
+  def placement(self) -> Union[str, tuple[int, ...]]:
+    """`layers`, with "preset" resolved to the normalization preset's."""
+    if isinstance(self.layers, str) and self.layers == ac.PRESET:
+      return PRESET_LAYERS.get(self.normalization, "full")
+    return self.layers
 
   @property
   def options(self) -> ac.ACOptions:
@@ -194,12 +209,13 @@ class ACMoERouter(Router):
     return self.base_prototype().assignment_width
 
   def check_placement(self, moe_blocks: tuple[int, ...]) -> None:
-    resolve_ac_layers(self.layers, moe_blocks)
+    resolve_ac_layers(self.placement, moe_blocks)
 
   def is_ac_layer(self, ctx: RoutingContext) -> bool:
     if not ctx.moe_blocks:  # Used outside a model: AC wherever possible.
       return ctx.previous is not None
-    return ctx.layer_index in resolve_ac_layers(self.layers, ctx.moe_blocks)
+    return ctx.layer_index in resolve_ac_layers(self.placement,
+                                                ctx.moe_blocks)
 
   def scale_tokens(self, tokens: Array, ctx: RoutingContext) -> Array:
     """`[N, D]` statistic tokens -> `[N, D]` scaled tokens (this layer's)."""
