@@ -113,8 +113,10 @@ def main(argv=None) -> dict:
     states[name] = state  # The old buffers were donated.
     return state.params
 
+  load = [os.getloadavg()[0]]  # Other jobs on the machine skew the timings.
   seconds = time_side_by_side({n: (lambda n=n: run(n)) for n in ROUTERS},
                               repeats, warmup=1)
+  load.append(os.getloadavg()[0])
   ms = {n: v / steps * 1e3 for n, v in seconds.items()}
   skipped = {n: int(jax.device_get(st.nonfinite_count))
              for n, st in states.items()}
@@ -122,11 +124,12 @@ def main(argv=None) -> dict:
   print(f"B*T = {s['batch'] * (s['image'] // 4)**2} tokens, D={s['hidden']}, "
         f"H={s['mlp']}, E={s['experts']}, K=2, MoE blocks 1 and 3; {steps} "
         f"steps per sample, median of {repeats}; non-finite steps "
-        f"skipped: {skipped}")
+        f"skipped: {skipped}; load average {load[0]:.2f} -> {load[1]:.2f}")
   for name in ROUTERS:
     print(f"{name:<9}{ms[name]:>10.2f} ms/step  "
           f"{flops[name] / 1e9:>8.2f} GFLOPs")
-  figures = {"quick": bool(args.quick), "device": jax.devices()[0].device_kind}
+  figures = {"quick": bool(args.quick), "device": jax.devices()[0].device_kind,
+             "load_average": load}
   for name in ("acmoe", "xmoe", "topp"):
     figures[f"{name}_overhead"] = ms[name] / ms["baseline"] - 1
     figures[f"{name}_flops_overhead"] = flops[name] / flops["baseline"] - 1
