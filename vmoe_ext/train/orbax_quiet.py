@@ -86,6 +86,19 @@ class _OrbaxErrorLogFilter(logging.Filter):
     return True
 
 
+class _AbandonedReadFilter(logging.Filter):
+  """Drops asyncio's "Future exception was never retrieved" for tensorstore
+  futures (the reads of a corrupt checkpoint that we reported and fell back
+  from): they are logged when the future is garbage-collected, which may be
+  after `quiet_orbax` exited, so this filter stays installed."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if record.name != "asyncio" or "never retrieved" not in str(record.msg):
+      return True
+    return "tensorstore_spec" not in record.getMessage() + str(
+        record.exc_info[1] if record.exc_info else "")
+
+
 @contextlib.contextmanager
 def quiet_orbax() -> Iterator[None]:
   """Around orbax calls whose failures we report ourselves.
@@ -93,12 +106,16 @@ def quiet_orbax() -> Iterator[None]:
   Orbax logs (through absl) the traceback of an exception raised in one of
   its threads before handing the exception to the caller, and asyncio those
   of orbax tasks left unawaited; those records are dropped while inside.
-  The closed-event-loop filter is installed for good (unless it is already
-  the current hook): the tracebacks it drops may arrive after the failed
-  call returned.
+  The closed-event-loop filter and the abandoned-read filter are installed
+  for good (once): the records they drop may arrive after the failed call
+  returned.
   """
   if not isinstance(sys.unraisablehook, _ClosedLoopNoiseFilter):
     sys.unraisablehook = _ClosedLoopNoiseFilter(sys.unraisablehook)
+  asyncio_logger = logging.getLogger("asyncio")
+  if not any(isinstance(f, _AbandonedReadFilter)
+             for f in asyncio_logger.filters):
+    asyncio_logger.addFilter(_AbandonedReadFilter())
   log_filter = _OrbaxErrorLogFilter()
   loggers = [logging.getLogger(name) for name in ("absl", "asyncio")]
   for logger in loggers:
