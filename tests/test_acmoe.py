@@ -231,6 +231,24 @@ def test_data_parallel_statistics_equal_one_device():
     assert close == equal, axis_name
 
 
+def test_statistics_reduced_over_many_devices_keep_small_clusters():
+  """The mean over 8 devices of a cluster's count can be below 1 (a cluster
+  of 3 tokens, all on one device): its dispersion must still be the global
+  one (regression: the denominator was clamped at 1 after the mean)."""
+  rng = np.random.default_rng(0)
+  tokens = jnp.asarray(rng.normal(size=(12, 5)), jnp.float32)
+  clusters = jnp.asarray([0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, -1])
+  want, _ = ac.cluster_dispersion(tokens, clusters, 3, "mad")
+  # One device holds every token; seven hold none: pmean = sum / 8.
+  got, counts = ac.cluster_dispersion(tokens, clusters, 3, "mad",
+                                      reduce=lambda v: v / 8)
+  np.testing.assert_allclose(counts, [3 / 8, 1, 0])
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  cluster0 = np.asarray(tokens)[:3]
+  np.testing.assert_allclose(
+      got[0], np.abs(cluster0 - cluster0.mean(0)).mean(0), rtol=1e-5)
+
+
 def test_placement_presets_match_the_paper():
   # Switch: 6 MoE layers (paper layers 1..6 = blocks 0..5).
   switch = tuple(range(6))

@@ -171,7 +171,9 @@ def cluster_dispersion(tokens: Array, clusters: Array, num_clusters: int,
              ).astype(jnp.float32)  # [N, E]; all zero for cluster -1.
   reduce = reduce or (lambda v: v)
   counts = reduce(jnp.sum(one_hot, axis=0))
-  denom = jnp.maximum(counts, 1.0)[:, None]
+  # A mean over devices can be < 1 for a non-empty cluster: only empty
+  # clusters (sums 0, dispersion 0) divide by 1.
+  denom = jnp.where(counts > 0, counts, 1.0)[:, None]
   hi = jax.lax.Precision.HIGHEST
   mean = reduce(jnp.matmul(one_hot.T, tokens, precision=hi)) / denom
   deviation = tokens - jnp.matmul(one_hot, mean, precision=hi)
