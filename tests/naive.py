@@ -159,3 +159,50 @@ def top_p_choices(gates, p, cap):
     chosen = [e for e in order if row[e] > p][:cap] or order[:1]
     out.append(chosen)
   return out
+
+
+def top_k_order(row, k):
+  """The k largest entries' indices of a 1-D row, ties to the lower index."""
+  return sorted(range(len(row)), key=lambda e: (-row[e], e))[:k]
+
+
+def symphony_step(tokens, kernel, adjacency, *, k, beta, threshold=0.0):
+  """One batch of Algorithm 1 (Symphony) with a linear noise-free base.
+
+  Args:
+    tokens: `[N, D]` router inputs; kernel `[D, E]`; adjacency `[E, E]`.
+
+  Returns:
+    `(indices [N, K], weights [N, K], new adjacency [E, E])`: each token's
+    top-K of `A softmax(x W)` (or of the base gates while the sparsified
+    `A` is all zero) and the graph after the update from the base top-K.
+  """
+  tokens = np.asarray(tokens, np.float64)
+  a = np.asarray(adjacency, np.float64)
+  e = a.shape[0]
+  used = np.where(a >= threshold, a, 0.0) if threshold > 0 else a
+  counts = np.zeros((e, e))
+  indices, weights = [], []
+  for x in tokens:
+    logits = [sum(x[d] * kernel[d][j] for d in range(len(x)))
+              for j in range(e)]
+    z = [math.exp(v - max(logits)) for v in logits]
+    g = [v / sum(z) for v in z]
+    chosen = top_k_order(g, k)                      # lines 5-8
+    for i in chosen:
+      for j in chosen:
+        counts[i, j] += 1
+    if np.all(used == 0):
+      sym = g
+    else:                                           # line 11
+      sym = [sum(used[j, m] * g[m] for m in range(e)) for j in range(e)]
+    top = top_k_order(sym, k)                       # lines 12-13
+    indices.append(top)
+    weights.append([sym[j] for j in top])
+  normed = np.zeros((e, e))
+  for i in range(e):                                # line 15
+    total = counts[i].sum()
+    if total > 0:
+      normed[i] = counts[i] / total
+  new = beta * a + (1 - beta) * normed              # line 16
+  return np.array(indices), np.array(weights), new

@@ -27,7 +27,10 @@ It returns a `RouterOutput`:
   dispatcher sends to the experts instead of `x` (ACMoE's Swin/SoftMoE
   variants scale the expert inputs, not only the scores);
 * (b) `forward` — an optional pytree handed to every later MoE layer through
-  `ctx.records[i].forward` (`ctx.previous_forward` for the last one).
+  `ctx.records[i].forward` (`ctx.previous_forward` for the last one);
+* `gates` — optional `[G, S, E]`: the full gate distribution a token-choice
+  router selected from (`softmax` of its noisy logits), so that a router
+  wrapping it can re-weight the gates and select again (Symphony).
 
 (c) Persistent non-parameter state (Symphony's co-selection graph, CMoE's
 balancing bias) lives in the collection `ROUTER_STATE` ("router_state"),
@@ -173,11 +176,14 @@ class RouterOutput:
     expert_inputs: `[G, S, D]` tokens to dispatch instead of the router's
       input, or None.
     forward: a pytree for later MoE layers, or None.
+    gates: `[G, S, E]` the gates a token-choice selection was made from, or
+      None.
   """
   routing: Routing
   metrics: Metrics
   expert_inputs: Optional[Array] = None
   forward: Any = None
+  gates: Optional[Array] = None
 
 
 class Router(nn.Module):
@@ -197,6 +203,10 @@ class Router(nn.Module):
   needs_image_groups: ClassVar[bool] = False
   # Routers that read `ctx.previous` cannot be the first MoE layer.
   needs_previous: ClassVar[bool] = False
+  # Token choice: the selection is the top K of a gate vector, K fixed
+  # (False for top-p, whose K varies per token). Routers that re-select from
+  # a base router's gates (Symphony) need it.
+  fixed_top_k: ClassVar[bool] = True
 
   @property
   def slots_per_token(self) -> int:

@@ -27,19 +27,19 @@ authors' code computes them per device batch.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Mapping, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from vmoe_ext.config.schema import renamed_scope
 from vmoe_ext.errors import require
-from vmoe_ext.moe.contract import (SOFT, TOKEN_CHOICE, Router, RouterOutput,
+from vmoe_ext.moe.contract import (SOFT, TOKEN_CHOICE, RouterOutput,
                                    RoutingContext)
 from vmoe_ext.routers import adaptive_clustering as ac
 from vmoe_ext.routers.registry import ROUTERS
 from vmoe_ext.routers.soft import l2_normalize
+from vmoe_ext.routers.wrapper import WrapperRouter
 
 Array = jax.Array
 LAYER_PRESETS = ("full", "skip1", "skip2", "alternating", "back_half")
@@ -90,7 +90,7 @@ def resolve_ac_layers(layers: Union[str, Sequence[int]],
   return tuple(sorted(chosen))
 
 
-class ACMoERouter(Router):
+class ACMoERouter(WrapperRouter):
   """ACMoE: route `M_k* h` with a base router (see the module docstring).
 
   Attributes:
@@ -120,8 +120,6 @@ class ACMoERouter(Router):
   layers: Union[str, tuple[int, ...]] = ac.PRESET
   transform: str = "adaptive"
   random_seed: int = 0
-
-  nested_routers: ClassVar[tuple[str, ...]] = ("base",)
 
   def __post_init__(self):
     opts = self.options
@@ -177,36 +175,12 @@ class ACMoERouter(Router):
   def base_config(self, ac_layer: bool = False) -> dict[str, Any]:
     """The base router's config; on AC layers of a soft base whose tokens
     arrive L2-normalised and scaled, it must not normalise them again."""
-    require(isinstance(self.base, Mapping) and "name" in self.base,
-            "router.base", "must be a router config {'name': ..., ...}")
-    config = dict(self.base)
+    config = super().base_config()
     require(config["name"] != "acmoe", "router.base.name",
             "the base of an ACMoE router cannot be ACMoE")
     if ac_layer and self._base_is_soft() and self.options.l2_normalize:
       config.update(normalize_tokens=False, dispatch_normalized=False)
     return config
-
-  def base_prototype(self) -> Router:
-    """The unbound base router (validated; errors name `router.base.*`)."""
-    with renamed_scope("router", "router.base"):
-      return ROUTERS.build(self.base_config(), num_experts=self.num_experts,
-                           parent=None)
-
-  @property
-  def kind(self) -> str:  # type: ignore[override]
-    return self.base_prototype().kind
-
-  @property
-  def needs_image_groups(self) -> bool:  # type: ignore[override]
-    return self.base_prototype().needs_image_groups
-
-  @property
-  def slots_per_token(self) -> int:
-    return self.base_prototype().slots_per_token
-
-  @property
-  def assignment_width(self) -> int:
-    return self.base_prototype().assignment_width
 
   def check_placement(self, moe_blocks: tuple[int, ...]) -> None:
     resolve_ac_layers(self.placement, moe_blocks)
@@ -252,9 +226,7 @@ class ACMoERouter(Router):
                ) -> RouterOutput:
     """x: `[G, S, D]` -> the base router's output on the scaled tokens."""
     ac_layer = self.is_ac_layer(ctx)
-    with renamed_scope("router", "router.base"):
-      base = ROUTERS.build(self.base_config(ac_layer),
-                           num_experts=self.num_experts, name="base")
+    base = self.build_base(self.base_config(ac_layer), name="base")
     kwargs = dict(capacity=capacity, deterministic=deterministic,
                   update_state=update_state)
     if not ac_layer:

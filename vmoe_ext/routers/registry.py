@@ -14,6 +14,8 @@ ROUTERS = Registry("router", {
     "cosine_lm": "vmoe_ext.routers.cosine:CosineLMRouter",
     "top_p": "vmoe_ext.routers.top_p:TopPRouter",
     "acmoe": "vmoe_ext.routers.acmoe:ACMoERouter",
+    "symphony": "vmoe_ext.routers.symphony:SymphonyRouter",
+    "symphony_soft": "vmoe_ext.routers.symphony_soft:SymphonySoftRouter",
 })
 
 

@@ -105,6 +105,8 @@ class TopPRouter(NoisyTopKRouter):
   learnable_threshold: bool = False
   load_loss_weight: float = 0.0
 
+  fixed_top_k = False
+
   def __post_init__(self):
     require(isinstance(self.threshold, (int, float))
             and not isinstance(self.threshold, bool)

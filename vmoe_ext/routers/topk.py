@@ -146,7 +146,8 @@ class NoisyTopKRouter(Router):
       noise = std * jax.random.normal(self.make_rng("gating"), logits.shape,
                                       logits.dtype)
     routing, metrics = self.select(logits, noise, std)
-    return RouterOutput(routing, metrics)
+    gates = jax.nn.softmax(logits if noise is None else logits + noise)
+    return RouterOutput(routing, metrics, gates=gates)
 
   def select(self, logits: Array, noise: Optional[Array], noise_std: float
              ) -> tuple[TokenChoiceRouting, Metrics]:
