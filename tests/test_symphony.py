@@ -86,6 +86,61 @@ def test_three_steps_follow_algorithm_1(k, init, threshold, beta):
     variables = {**variables, "router_state": {"adjacency": new}}
 
 
+def test_first_update_counts_the_noisy_base_selection_in_the_model():
+  """In training the base's noise is part of gamma: with the zero graph the
+  first step routes by the (noisy) base gates, so the graph after it is
+  (1 - beta) RowNorm of the co-selections of what the layer sowed."""
+  model = _model({"name": "symphony", "beta": 0.8,
+                  "base": {"name": "noisy_topk", "num_selected": 2,
+                           "noise_std": 2.0}})
+  images = jax.random.uniform(jax.random.key(0), (4, 8, 8, 1))
+  variables = model.init(jax.random.key(1), images)
+  (_, metrics), new = model.apply(
+      variables, images, deterministic=False, update_state=True,
+      rngs={"gating": jax.random.key(5)},
+      mutable=["router_state", "intermediates"])
+  _, clean = model.apply(variables, images, mutable=["intermediates"])
+  differs = 0
+  for block in ("encoderblock_1", "encoderblock_3"):
+    assert float(metrics[f"layer_{block[-1]}"]["symphony_fallback"]) == 1
+    chosen = np.asarray(new["intermediates"][block]["Moe"]
+                        ["selected_experts"][0]).reshape(-1, 2)
+    differs += np.sum(np.sort(chosen, -1) != np.sort(np.asarray(
+        clean["intermediates"][block]["Moe"]["selected_experts"][0]
+    ).reshape(-1, 2), -1))
+    counts = np.zeros((E, E))
+    for row in chosen:
+      for i in row:
+        for j in row:
+          counts[i, j] += 1
+    want = 0.2 * counts / counts.sum(1, keepdims=True).clip(1)
+    np.testing.assert_allclose(new["router_state"][block]["Moe"]["router"]
+                               ["adjacency"], want, rtol=1e-6)
+  # The noise changed some selections (else this test would not see it).
+  assert differs > 0
+
+
+def test_base_gates_seam_is_what_the_base_selected_from():
+  """`RouterOutput.gates` of a token-choice router: its top-K are the
+  routing's choices and (V-MoE, not renormalised) their combine weights."""
+  x = jax.random.normal(jax.random.key(0), (2, 6, 5))
+  for config in ({"name": "noisy_topk", "num_selected": 2, "noise_std": 1.},
+                 {"name": "cosine", "num_selected": 3},
+                 {"name": "top_p", "num_selected": 3, "threshold": 0.2}):
+    router = ROUTERS.build(config, num_experts=E)
+    variables = router.init(jax.random.key(1), x, RoutingContext(),
+                            capacity=8, deterministic=True)
+    out = router.apply(variables, x, RoutingContext(), capacity=8,
+                       deterministic=False,
+                       rngs={"gating": jax.random.key(2)})
+    np.testing.assert_allclose(np.asarray(out.gates).sum(-1), 1, rtol=1e-6)
+    top, idx = jax.lax.top_k(out.gates, out.routing.num_selected)
+    np.testing.assert_array_equal(idx, out.routing.expert_indices)
+    valid = np.asarray(out.routing.valid)
+    np.testing.assert_allclose(np.asarray(out.routing.gates)[valid],
+                               np.asarray(top)[valid], rtol=1e-6)
+
+
 def test_rows_of_the_normalised_counts_sum_to_one():
   counts = np.array([[3., 1, 0], [1, 2, 0], [0, 0, 0]])
   normed = np.asarray(sym.row_normalize(jnp.asarray(counts)))
