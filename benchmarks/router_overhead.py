@@ -15,7 +15,11 @@ AdamW update, NaN guard) with each router:
             statistics of the whole batch, clamp, scaled tokens to the router
             and the experts) in block 3, the plain base router in block 1;
 * topp      `top_p` p = 0.05, cap 2 (the cap sets the expert buffers, so the
-            expert compute equals top-2's and the figure is the router's).
+            expert compute equals top-2's and the figure is the router's);
+* symphony  `symphony` over noisy top-2 (issue "Symphony router"): top-2 of
+            `A softmax(l)` and the graph update (co-selection counts,
+            row-normalisation, EMA) in both MoE layers, every step;
+* acmoe_symphony  `symphony` over the `acmoe` candidate above.
 
 Each candidate's step is compiled once (ahead of time, state donated) and
 its XLA FLOP count read from that executable. Timing is
@@ -24,9 +28,15 @@ one warm-up; one sample is `STEPS` consecutive steps of the candidate's own
 state, carried over from sample to sample (no state copy in the timed
 region; the shapes are static, so the cost does not depend on the values).
 The last line is one JSON object with `acmoe_overhead`, `xmoe_overhead`,
-`topp_overhead` = step time / baseline - 1 (target <= 0.02 each; the ACMoE
-paper reports about 0.01), the ms per step of each and the XLA FLOPs of each
+`topp_overhead`, `symphony_overhead` = step time / baseline - 1 (target
+<= 0.02 each; the ACMoE paper reports about 0.01, the Symphony paper < 0.01)
+and `acmoe_symphony_overhead` = acmoe_symphony / acmoe - 1 (Symphony's cost
+on top of ACMoE; `acmoe_symphony_vs_baseline` is its ratio to the
+baseline), the ms per step of each and the XLA FLOPs of each
 step relative to the baseline (`*_flops_overhead`, noise-free).
+`control_overhead` is an A/A control: the baseline's executable timed again
+as one more candidate on its own copy of the state, so its deviation from 0
+is the timing noise of the run.
 
 `--quick`: B*T = 256 tokens (16 images of 16x16x3, T = 16), D = 64, H = 256,
 E = 8, 5 steps per sample, for a smoke run; there the fixed per-op costs of
@@ -52,14 +62,20 @@ from vmoe_ext.train.optimizer import (make_learning_rate,  # noqa: E402
 from vmoe_ext.train.state import TrainState  # noqa: E402
 from vmoe_ext.train.steps import make_train_step  # noqa: E402
 
+ACMOE = {"name": "acmoe", "normalization": "swin",
+         "base": {"name": "noisy_topk", "num_selected": 2}}
 ROUTERS = {
     "baseline": {"name": "noisy_topk", "num_selected": 2},
     "xmoe": {"name": "cosine", "num_selected": 2},
-    "acmoe": {"name": "acmoe", "normalization": "swin",
-              "base": {"name": "noisy_topk", "num_selected": 2}},
+    "acmoe": ACMOE,
     "topp": {"name": "top_p", "num_selected": 2, "threshold": 0.05,
              "load_loss_weight": 0.0},
+    "symphony": {"name": "symphony",
+                 "base": {"name": "noisy_topk", "num_selected": 2}},
+    "acmoe_symphony": {"name": "symphony", "base": ACMOE},
 }
+# Candidate -> the step it is compared with (default: the baseline).
+REFERENCE = {"acmoe_symphony": "acmoe"}
 STEPS = 10  # Train steps per timed sample (5 with --quick).
 OPTIMIZER = {"name": "adamw", "learning_rate": 1e-3, "warmup_steps": 0,
              "decay": "cosine", "total_steps": 10_000, "weight_decay": 1e-4,
@@ -105,6 +121,10 @@ def main(argv=None) -> dict:
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     flops[name] = float(cost.get("flops", float("nan")))
     steps_fns[name] = compiled
+  # A/A control: the baseline's executable again on its own copy of the
+  # state; its "overhead" is the timing noise of this run.
+  steps_fns["control"] = steps_fns["baseline"]
+  states["control"] = jax.tree.map(jnp.copy, states["baseline"])
 
   def run(name):
     state = states[name]
@@ -114,7 +134,7 @@ def main(argv=None) -> dict:
     return state.params
 
   load = [os.getloadavg()[0]]  # Other jobs on the machine skew the timings.
-  seconds = time_side_by_side({n: (lambda n=n: run(n)) for n in ROUTERS},
+  seconds = time_side_by_side({n: (lambda n=n: run(n)) for n in steps_fns},
                               repeats, warmup=1)
   load.append(os.getloadavg()[0])
   ms = {n: v / steps * 1e3 for n, v in seconds.items()}
@@ -126,13 +146,21 @@ def main(argv=None) -> dict:
         f"steps per sample, median of {repeats}; non-finite steps "
         f"skipped: {skipped}; load average {load[0]:.2f} -> {load[1]:.2f}")
   for name in ROUTERS:
-    print(f"{name:<9}{ms[name]:>10.2f} ms/step  "
-          f"{flops[name] / 1e9:>8.2f} GFLOPs")
+    ref = REFERENCE.get(name, "baseline")
+    print(f"{name:<15}{ms[name]:>10.2f} ms/step  "
+          f"{flops[name] / 1e9:>8.2f} GFLOPs  "
+          f"{ms[name] / ms[ref] - 1:+7.2%} vs {ref}")
+  print(f"{'control':<15}{ms['control']:>10.2f} ms/step  (baseline again: "
+        f"noise {ms['control'] / ms['baseline'] - 1:+.2%})")
   figures = {"quick": bool(args.quick), "device": jax.devices()[0].device_kind,
              "load_average": load}
-  for name in ("acmoe", "xmoe", "topp"):
-    figures[f"{name}_overhead"] = ms[name] / ms["baseline"] - 1
-    figures[f"{name}_flops_overhead"] = flops[name] / flops["baseline"] - 1
+  for name in ("acmoe", "xmoe", "topp", "symphony", "acmoe_symphony"):
+    ref = REFERENCE.get(name, "baseline")
+    figures[f"{name}_overhead"] = ms[name] / ms[ref] - 1
+    figures[f"{name}_flops_overhead"] = flops[name] / flops[ref] - 1
+  figures["acmoe_symphony_vs_baseline"] = (ms["acmoe_symphony"]
+                                           / ms["baseline"] - 1)
+  figures["control_overhead"] = ms["control"] / ms["baseline"] - 1
   figures.update({f"{n}_ms_per_step": v for n, v in ms.items()})
   figures.update({f"{n}_gflops_per_step": v / 1e9 for n, v in flops.items()})
   print_json_last(figures)
