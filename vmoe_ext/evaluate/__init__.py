@@ -2,9 +2,10 @@
 corruption error / mCE, OOD AUPR, 200-class subsets (DESIGN §4.10).
 
 Host-side numpy metrics (`metrics`, `corruption_metrics`); `Evaluator` (a
-model as jitted functions of raw images); the robustness evaluation run by the
-binary (`robustness`, `datasets`). The local corruption suite itself lives in
-`vmoe_ext.data.corruptions`.
+model as jitted functions of raw images); what the binary runs after training
+(`final`): the routing analysis (`routing_analysis`, `routing_plots`,
+`routing_report`) and the robustness evaluation (`robustness`, `datasets`).
+The local corruption suite itself lives in `vmoe_ext.data.corruptions`.
 """
 
 from vmoe_ext.evaluate.corruption_metrics import (
@@ -12,11 +13,14 @@ from vmoe_ext.evaluate.corruption_metrics import (
 from vmoe_ext.evaluate.evaluator import Evaluator
 from vmoe_ext.evaluate.imagenet_subsets import (IMAGENET_A_CLASSES,
                                                 IMAGENET_R_CLASSES)
-from vmoe_ext.evaluate.metrics import (average_precision, expert_set_iou,
-                                       expert_sets_to_mask, layer_mean_std,
-                                       load_balance, mask_logits, max_softmax,
-                                       ood_aupr, prediction_change_rate,
+from vmoe_ext.evaluate.metrics import (assignment_counts, average_precision,
+                                       expert_set_iou, expert_sets_to_mask,
+                                       layer_mean_std, load_balance,
+                                       load_balance_from_counts, mask_logits,
+                                       max_softmax, ood_aupr,
+                                       prediction_change_rate,
                                        router_instability,
+                                       router_instability_from_counts,
                                        routing_change_rate, subset_labels,
                                        topk_accuracy)
 
@@ -25,12 +29,14 @@ __all__ = [
     "Evaluator",
     "IMAGENET_A_CLASSES",
     "IMAGENET_R_CLASSES",
+    "assignment_counts",
     "average_precision",
     "corruption_errors",
     "expert_set_iou",
     "expert_sets_to_mask",
     "layer_mean_std",
     "load_balance",
+    "load_balance_from_counts",
     "mask_logits",
     "max_softmax",
     "mce",
@@ -38,6 +44,7 @@ __all__ = [
     "ood_aupr",
     "prediction_change_rate",
     "router_instability",
+    "router_instability_from_counts",
     "routing_change_rate",
     "subset_labels",
     "topk_accuracy",

@@ -182,24 +182,12 @@ def routing_change_rate(mask_clean: ArrayLike, mask_adv: ArrayLike,
 # ---------------------------------------------------------------------------
 
 
-def load_balance(expert_mask: ArrayLike,
-                 token_mask: ArrayLike | None = None) -> dict[str, Any]:
-  """Share of routed tokens per expert and its spread (ACMoE Table 6).
+def assignment_counts(expert_mask: ArrayLike,
+                      token_mask: ArrayLike | None = None) -> np.ndarray:
+  """Token->expert assignments per expert `[E]` int64 of a mask `[..., E]`.
 
-  `percent[e] = 100 * (tokens routed to e) / (total token->expert
-  assignments)`, so the percentages sum to 100 for any K and perfect balance
-  is `100 / E` for every expert. The score is the population standard
-  deviation (ddof=0) of `percent`; 0 is perfect balance. Pass the router's
-  selection to measure the router, or the post-capacity dispatch mask to
-  measure what the experts actually processed.
-
-  Args:
-    expert_mask: `[N, T, E]` bool (any `[..., E]`), expert membership.
-    token_mask: optional `[N, T]` validity of each token (padding excluded).
-
-  Returns:
-    `{"percent": [E] float64, "std": float, "assignments": [E] int64}`;
-    with no assignment at all, `percent` is NaN and `std` is NaN.
+  Counts are additive: the counts of an evaluation set are the sum of the
+  counts of its batches. `token_mask` `[...]` leaves tokens out (padding).
   """
   mask = _as_set_mask(expert_mask, "expert_mask")
   _check(mask.ndim >= 1, "expert_mask", "must be [..., E]")
@@ -209,14 +197,50 @@ def load_balance(expert_mask: ArrayLike,
     _check(valid.shape == mask.shape[:-1], "token_mask",
            f"must have shape {mask.shape[:-1]}, got {valid.shape}")
     counts_per_token = counts_per_token * valid[..., None]
-  counts = counts_per_token.reshape(-1, mask.shape[-1]).sum(axis=0)
+  return counts_per_token.reshape(-1, mask.shape[-1]).sum(axis=0)
+
+
+def load_balance_from_counts(counts: ArrayLike) -> dict[str, Any]:
+  """`load_balance` from per-expert assignment counts `[E]`.
+
+  Returns `{"percent": [E] float64, "std": float, "assignments": [E]
+  int64}`; with no assignment at all, `percent` and `std` are NaN.
+  """
+  counts = np.asarray(counts)
+  _check(counts.ndim == 1 and counts.size > 0 and counts.min() >= 0,
+         "counts",
+         f"must be non-negative counts [E], got shape {counts.shape}")
+  counts = counts.astype(np.int64)
   total = counts.sum()
   if total == 0:
-    percent = np.full(mask.shape[-1], np.nan)
+    percent = np.full(counts.shape, np.nan)
   else:
     percent = 100.0 * counts / total
   return {"percent": percent, "std": float(np.std(percent)),
           "assignments": counts}
+
+
+def load_balance(expert_mask: ArrayLike,
+                 token_mask: ArrayLike | None = None) -> dict[str, Any]:
+  """Share of routed tokens per expert and its spread (ACMoE Table 6).
+
+  `percent[e] = 100 * (tokens routed to e) / (total token->expert
+  assignments)`, so the percentages sum to 100 for any K and perfect balance
+  is `100 / E` for every expert. The score is the population standard
+  deviation (ddof=0) of `percent`; 0 is perfect balance. Pass the router's
+  selection to measure the router, or the post-capacity dispatch mask to
+  measure what the experts actually processed. Over many batches, add their
+  `assignment_counts` and call `load_balance_from_counts`.
+
+  Args:
+    expert_mask: `[N, T, E]` bool (any `[..., E]`), expert membership.
+    token_mask: optional `[N, T]` validity of each token (padding excluded).
+
+  Returns:
+    `{"percent": [E] float64, "std": float, "assignments": [E] int64}`;
+    with no assignment at all, `percent` is NaN and `std` is NaN.
+  """
+  return load_balance_from_counts(assignment_counts(expert_mask, token_mask))
 
 
 def layer_mean_std(per_layer: Sequence[float]) -> dict[str, float]:
@@ -227,6 +251,30 @@ def layer_mean_std(per_layer: Sequence[float]) -> dict[str, float]:
   return {"mean": float(values.mean()), "std": float(values.std())}
 
 
+def router_instability_from_counts(joint: ArrayLike) -> float:
+  """Router instability (ACMoE C.9) from a contingency table of top-1s.
+
+  `joint[a, b]` = number of tokens whose top-1 expert is a at layer l-1 and
+  b at layer l (`[E_prev, E_cur]`; additive over batches). With
+  `S[i, j] = 1` iff tokens i and j share their top-1, summed over all
+  `n x n` pairs (diagonal included) `sum |S_prev - S_cur| = sum_a r_a^2 +
+  sum_b c_b^2 - 2 sum_ab joint_ab^2` (row sums r, column sums c), because
+  `|s - t| = s + t - 2 s t` for bits; `r = that / n^2`, `n = sum(joint)`.
+  NaN when the table is empty.
+  """
+  joint = np.asarray(joint)
+  _check(joint.ndim == 2 and (joint.size == 0 or joint.min() >= 0), "joint",
+         f"must be non-negative counts [E_prev, E_cur], got shape "
+         f"{joint.shape}")
+  joint = joint.astype(np.float64)
+  n = joint.sum()
+  if n == 0:
+    return float("nan")
+  rows, cols = joint.sum(axis=1), joint.sum(axis=0)
+  disagree = (rows**2).sum() + (cols**2).sum() - 2.0 * (joint**2).sum()
+  return float(disagree / n**2)
+
+
 def router_instability(top1_prev: ArrayLike, top1_cur: ArrayLike,
                        token_mask: ArrayLike | None = None) -> float:
   """Router instability `r = mean(|S_prev - S_cur|)` (ACMoE appendix C.9).
@@ -234,10 +282,8 @@ def router_instability(top1_prev: ArrayLike, top1_cur: ArrayLike,
   `S[i, j] = 1` iff tokens i and j share their top-1 expert. The mean is over
   all `n x n` entries, the diagonal included (as in the paper's definition;
   the diagonal always agrees). Computed from the contingency table
-  `M[a, b] = #{i: prev_i = a, cur_i = b}` without materialising `S`:
-  `sum |S_prev - S_cur| = sum_a r_a^2 + sum_b c_b^2 - 2 sum_ab M_ab^2` with
-  row sums `r` and column sums `c`, because `|s - t| = s + t - 2 s t` for
-  bits. Cost O(n log n) time, O(n) memory.
+  `M[a, b] = #{i: prev_i = a, cur_i = b}` without materialising `S`
+  (`router_instability_from_counts`). Cost O(n log n) time, O(n) memory.
 
   Args:
     top1_prev: `[n]` int top-1 expert per token at layer l-1 (any shape,
@@ -255,19 +301,15 @@ def router_instability(top1_prev: ArrayLike, top1_cur: ArrayLike,
     _check(valid.shape == prev.shape, "token_mask",
            f"must have {prev.size} entries, got {valid.size}")
     prev, cur = prev[valid], cur[valid]
-  n = prev.size
-  if n == 0:
+  if prev.size == 0:
     return float("nan")
   _, prev_ids = np.unique(prev, return_inverse=True)
   _, cur_ids = np.unique(cur, return_inverse=True)
-  num_cur = int(cur_ids.max()) + 1
-  _, joint = np.unique(prev_ids.astype(np.int64) * num_cur + cur_ids,
-                       return_counts=True)
-  rows = np.bincount(prev_ids.reshape(-1)).astype(np.float64)
-  cols = np.bincount(cur_ids.reshape(-1)).astype(np.float64)
-  joint = joint.astype(np.float64)
-  disagree = (rows**2).sum() + (cols**2).sum() - 2.0 * (joint**2).sum()
-  return float(disagree / float(n)**2)
+  shape = (int(prev_ids.max()) + 1, int(cur_ids.max()) + 1)
+  joint = np.bincount(np.ravel_multi_index(
+      (prev_ids.reshape(-1), cur_ids.reshape(-1)), shape),
+                      minlength=shape[0] * shape[1]).reshape(shape)
+  return router_instability_from_counts(joint)
 
 
 # ---------------------------------------------------------------------------

@@ -166,6 +166,7 @@ class MoeLayer(nn.Module):
     if record:
       self.sow("intermediates", "expert_mask", mask.reshape(b, t, e))
       self.sow("intermediates", "selected_experts", assignment.expert_indices)
+      self.sow("intermediates", "moe_input", x)
     return (y.astype(x.dtype), metrics,
             LayerRecord(assignment, out.forward, ctx.layer_index,
                         num_experts=e, width=d))
