@@ -27,7 +27,8 @@ from vmoe_ext.train.checkpoints import CheckpointManager, config_fingerprint
 from vmoe_ext.train.initialization import check_init, load_init_params
 from vmoe_ext.train.optimizer import make_learning_rate, make_optimizer
 from vmoe_ext.train.state import TrainState
-from vmoe_ext.train.steps import evaluate, make_eval_step, make_train_step
+from vmoe_ext.train.steps import (evaluate, make_eval_step, make_train_step,
+                                  router_state_metrics)
 from vmoe_ext.train.validate import validate_config, validate_shapes
 from vmoe_ext.train.workdir import WorkdirLock
 
@@ -212,8 +213,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
       metrics record as it was at that checkpoint). The workdir is locked
       (`WorkdirLock`) while the run holds it.
     after_training: optional hook `(run, writer) -> list of markdown
-      sections` run after the final evaluation (e.g. a robustness evaluation);
-      its sections are appended to the report.
+      sections` run after the final evaluation (the binary passes
+      `vmoe_ext.evaluate.final.after_training_hook`: routing analysis, then
+      robustness); its sections are appended to the report.
     stop_at_step: stop abruptly once this step is reached, as a preempted job
       would (no final evaluation, no report; returns None). Used to test that
       resuming gives the same result as an uninterrupted run.
@@ -298,7 +300,9 @@ def _train(run: Run, writer: MetricWriter, history: list, sigterm: list,
         check_finite(run, step, history)
       if log_now:
         mean = _mean_metrics(history)
-        writer.write(step, "train", mean)
+        # Persistent router state (Symphony's expert graph) as it is now.
+        writer.write(step, "train",
+                     {**mean, **router_state_metrics(run.state.collections)})
         bar.set_postfix(loss=f"{float(metrics['loss']):.3f}")
         rate = (step - timed_from) / max(time.time() - since, 1e-9)
         speed = (f"{rate:.2f} steps/s, ETA "

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import re
+from typing import Any, Callable, Mapping
 
 import flax.linen as nn
+import flax.traverse_util
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
+from vmoe_ext.moe.contract import ROUTER_STATE
+from vmoe_ext.reporting.writers import MAX_ARRAY_SIZE
 from vmoe_ext.train.state import TrainState
 
 Array = jax.Array
@@ -38,6 +43,34 @@ def routing_summary(metrics: dict[str, Any],
       for name in ROUTING_METRICS:
         if name in values and name not in exclude:
           out[f"{layer}/{name}"] = values[name]
+  return out
+
+
+_ROUTER_PATH = re.compile(r"^encoderblock_(\d+)/Moe/router/(.+)$")
+
+
+def router_state_metrics(collections: Mapping[str, Any]) -> dict[str, Any]:
+  """Snapshot of the persistent router state for a train log line.
+
+  Every numeric leaf of `collections["router_state"]` at
+  `encoderblock_{i}/Moe/router/<path>` becomes the metric
+  `layer_{i}/router_state/<path>` (any other leaf `router_state/<its
+  path>`) as a host array, e.g. Symphony's `[E, E]` expert graph as
+  `layer_1/router_state/adjacency`. Leaves of more than `MAX_ARRAY_SIZE`
+  elements (too large for `metrics.jsonl`) are left out. Reads the device:
+  call it only where the loop syncs anyway (log steps).
+  """
+  state = collections.get(ROUTER_STATE) or {}
+  flat = flax.traverse_util.flatten_dict(state, sep="/") if state else {}
+  out = {}
+  for path, value in sorted(jax.device_get(flat).items()):
+    value = np.asarray(value)
+    if value.dtype.kind not in "biuf" or value.size > MAX_ARRAY_SIZE:
+      continue
+    match = _ROUTER_PATH.match(path)
+    name = (f"layer_{match.group(1)}/{ROUTER_STATE}/{match.group(2)}"
+            if match else f"{ROUTER_STATE}/{path}")
+    out[name] = value
   return out
 
 
