@@ -290,9 +290,10 @@ def test_binary_outputs_and_progress_lines_off_a_terminal(reference):
   (final,) = [r for r in records if r.get("final")]
   assert final["split"] == "test" and final["step"] == 20
   assert 0.0 <= final["accuracy"] <= 1.0
-  # The robustness section ran after the final evaluation.
+  # The routing analysis, then the robustness evaluation, ran after the
+  # final evaluation.
   assert [r["split"] for r in records[records.index(final) + 1:]] == [
-      "adversarial/fgsm", "corruption"]
+      "routing", "adversarial/fgsm", "corruption"]
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == [
       "10", "20"]
   lines = done.stderr.splitlines()
@@ -402,7 +403,11 @@ def test_evaluation_binary_restores_the_training_run(reference, tmp_path,
   # Same checkpoint, same data: the same clean and adversarial numbers.
   trained = {r["split"]: r for r in before[before.index(
       [r for r in before if r.get("final")][0]):]}
-  assert [r["split"] for r in evaluation] == ["test", "adversarial/fgsm"]
+  assert [r["split"] for r in evaluation] == ["test", "routing",
+                                              "adversarial/fgsm"]
   assert evaluation[0]["final"]
   for record in evaluation:
-    assert record["accuracy"] == trained[record["split"]]["accuracy"]
+    if record["split"] == "routing":
+      assert record == trained["routing"]
+    else:
+      assert record["accuracy"] == trained[record["split"]]["accuracy"]

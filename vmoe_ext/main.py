@@ -4,10 +4,11 @@
                             [--config.FIELD=VALUE ...]
 
 With no flags it runs the embedded default (`configs/default.py`: a small V-MoE
-on MNIST-5k, then a short FGSM/PGD/SPSA and corruption evaluation) into
-`./runs/default` and prints the report. A config whose
-`robustness.checkpoint_dir` is set (`configs/robustness.py`) only evaluates
-that training workdir's newest checkpoint. Outputs in WORKDIR:
+on MNIST-5k, then the routing analysis and a short FGSM/PGD/SPSA and
+corruption evaluation) into `./runs/default` and prints the report. Every run
+ends with the routing analysis of the test split (docs/robustness.md). A
+config whose `robustness.checkpoint_dir` is set (`configs/robustness.py`) only
+evaluates that training workdir's newest checkpoint. Outputs in WORKDIR:
 `metrics.jsonl`, `report.md`, PNG plots, `checkpoints/`, `tensorboard/`. A
 workdir holding a checkpoint of the same config resumes it.
 
@@ -119,10 +120,10 @@ def run(config, workdir: str) -> str:
   """Validates everything, then trains or evaluates into `workdir`; returns
   the report's path."""
   # Heavy imports here, after flag parsing.
+  from vmoe_ext.evaluate.final import after_training_hook
   from vmoe_ext.evaluate.from_checkpoint import (evaluate_checkpoint,
                                                  output_dir)
-  from vmoe_ext.evaluate.robustness import (after_training_hook,
-                                            robustness_config)
+  from vmoe_ext.evaluate.robustness import robustness_config
   from vmoe_ext.train.loop import train_and_evaluate
   from vmoe_ext.train.validate import validate_config
   from vmoe_ext.train.workdir import check_workdir
@@ -137,8 +138,9 @@ def run(config, workdir: str) -> str:
     evaluate_checkpoint(config, workdir)  # Evaluation only.
     return os.path.join(out, "report.md")
   check_workdir(workdir)
-  hook = None if robustness is None else after_training_hook(config, workdir)
-  train_and_evaluate(config, workdir, after_training=hook,
+  # Every run: the routing analysis, then the robustness evaluation if set.
+  train_and_evaluate(config, workdir,
+                     after_training=after_training_hook(config, workdir),
                      handle_sigterm=True)
   return os.path.join(workdir, "report.md")
 

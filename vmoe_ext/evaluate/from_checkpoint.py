@@ -23,6 +23,7 @@ from vmoe_ext.data import (ArrayDataset, default_normalization, eval_batches,
 from vmoe_ext.data.tfds_adapter import load_tfds_split
 from vmoe_ext.errors import require
 from vmoe_ext.evaluate.robustness import evaluate_robustness
+from vmoe_ext.evaluate.routing_report import evaluate_routing
 from vmoe_ext.models import build_model
 from vmoe_ext.reporting.report import listify, write_report
 from vmoe_ext.reporting.writers import MetricWriter, read_metrics
@@ -104,10 +105,22 @@ def output_dir(workdir: str) -> str:
   return os.path.join(workdir, EVALUATION_DIR) if train else workdir
 
 
+def _training_record(source: str, step: int) -> list[dict[str, Any]]:
+  """The training run's `metrics.jsonl` up to the evaluated checkpoint's
+  step (for the router-state heatmaps); [] when it has none."""
+  try:
+    records = read_metrics(source)
+  except (FileNotFoundError, ValueError):
+    return []
+  return [r for r in records if r.get("split") == "train"
+          and r.get("step", step + 1) <= step]
+
+
 def evaluate_checkpoint(config: ml_collections.ConfigDict,
                         workdir: str) -> dict[str, Any]:
   """Restores `config.robustness.checkpoint_dir`'s newest checkpoint and writes
-  the clean and robustness evaluations to `output_dir(workdir)`.
+  the clean, routing (`evaluate_routing`) and robustness evaluations to
+  `output_dir(workdir)`.
 
   The config must describe the same model and data as the training run (the
   checkpoint's fingerprint is checked).
@@ -141,7 +154,11 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict,
     writer.truncate(keep_lines=0)
     final = evaluate(jax.jit(make_eval_step(model)), state, batches())
     writer.write(step, "test", final, final=True)
-    sections = evaluate_robustness(
+    sections = evaluate_routing(
+        model, state.variables(), test, config.data,
+        batch_size=config.data.eval_batch_size, writer=writer, step=step,
+        workdir=out, records=_training_record(source, step))
+    sections += evaluate_robustness(
         model, state.variables(), test, config.data,
         config.robustness, batch_size=config.data.eval_batch_size,
         writer=writer, step=step, workdir=out)

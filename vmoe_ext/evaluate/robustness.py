@@ -255,14 +255,3 @@ def evaluate_robustness(model: nn.Module, variables: Mapping[str, Any],
         writer=writer, step=step, workdir=workdir)
   return sections
 
-
-def after_training_hook(config: ml_collections.ConfigDict, workdir: str):
-  """The `train_and_evaluate(after_training=...)` hook for `config.robustness`."""
-
-  def hook(run, writer: MetricWriter) -> list[str]:
-    return evaluate_robustness(
-        run.model, run.state.variables(), run.datasets["test"], config.data,
-        config.robustness, batch_size=config.data.eval_batch_size,
-        writer=writer, step=int(run.state.step), workdir=workdir)
-
-  return hook

@@ -1,0 +1,138 @@
+"""The routing analysis of a run's final evaluation: one `routing` line in
+`metrics.jsonl`, `expert_maps.png`, `tsne_experts.png`,
+`symphony_adjacency.png` and the report's "## Routing analysis" section."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Mapping, Sequence
+
+import flax.linen as nn
+import ml_collections
+import numpy as np
+
+from vmoe_ext.data import ArrayDataset, default_normalization, eval_batches
+from vmoe_ext.evaluate.routing_analysis import (MAP_IMAGES, RoutingAnalysis,
+                                                analyze_routing, layer_index,
+                                                tsne_embedding)
+from vmoe_ext.evaluate.routing_plots import (plot_expert_maps,
+                                             plot_router_state_heatmaps,
+                                             plot_tsne)
+from vmoe_ext.reporting.report_parts import markdown_table
+from vmoe_ext.reporting.writers import (MetricWriter, progress_bar,
+                                       progress_line)
+
+SPLIT = "routing"
+EXPERT_MAPS = "expert_maps.png"
+TSNE = "tsne_experts.png"
+ADJACENCY = "symphony_adjacency.png"
+MIN_TSNE_TOKENS = 10
+
+
+def evaluate_routing(model: nn.Module, variables: Mapping[str, Any],
+                     test: ArrayDataset,
+                     data_config: ml_collections.ConfigDict, *,
+                     batch_size: int, writer: MetricWriter, step: int,
+                     workdir: str,
+                     records: Sequence[Mapping[str, Any]] = (),
+                     seed: int = 0) -> list[str]:
+  """Analyses the routing of `test` and writes line, PNGs and section.
+
+  Args:
+    model, variables: the trained model.
+    test: the raw test split (every example once, padded batches).
+    data_config: its preprocessing (`image_size`, normalisation).
+    batch_size: evaluation batch size.
+    writer, step: where the `routing` line goes.
+    workdir: where the PNGs go.
+    records: the training record (`metrics.jsonl`), for the router-state
+      heatmaps over training.
+    seed: the token subsample of the t-SNE.
+
+  Returns:
+    `["## Routing analysis ..."]`, or `[]` for a model without MoE layers.
+  """
+  start = time.time()
+  mean, std = default_normalization(data_config)
+  batches = eval_batches(test, batch_size,
+                         image_size=data_config.get("image_size"), mean=mean,
+                         std=std)
+  with progress_bar(total=-(-len(test) // batch_size),
+                    desc="routing") as bar:
+    analysis = analyze_routing(model, variables, batches, mean=mean, std=std,
+                               map_examples=map_examples(len(test)),
+                               seed=seed, on_batch=lambda: bar.update(1))
+    if analysis is None:
+      return []
+    # Not marked final: like the robustness lines, only the clean `test`
+    # line is (tools read `accuracy` from the final line).
+    writer.write(step, SPLIT, analysis.metrics)
+    figures = _figures(analysis, records, workdir, seed)
+    m = analysis.metrics
+    progress_line(bar, f"routing: load balance {m['load_balance_mean']:.3f}"
+                  + (f", instability {m['instability_mean']:.3f}"
+                     if "instability_mean" in m else "")
+                  + f" ({time.time() - start:.1f} s)")
+  return [routing_section(analysis, figures)]
+
+
+def map_examples(num_examples: int, count: int = MAP_IMAGES) -> list[int]:
+  """`count` test images evenly spaced over the split, the first included
+  (the built-in test splits are stored class by class: the first few
+  images would all show one class)."""
+  return sorted(set(np.linspace(0, max(num_examples - 1, 0), count)
+                    .round().astype(int).tolist())) if num_examples else []
+
+
+def _figures(analysis: RoutingAnalysis, records, workdir: str,
+             seed: int) -> list[tuple[str, str]]:
+  """Writes the PNGs; `[(caption, file name)]` of those written."""
+  out = []
+  if plot_expert_maps(analysis.images, analysis.maps, analysis.num_experts,
+                      os.path.join(workdir, EXPERT_MAPS)):
+    out.append(("expert maps", EXPERT_MAPS))
+  sample = analysis.sample
+  embeddings = {l: tsne_embedding(x, seed) for l, x in sample.tokens.items()
+                if len(x) >= MIN_TSNE_TOKENS}
+  if plot_tsne(embeddings, sample.experts, analysis.num_experts,
+               os.path.join(workdir, TSNE)):
+    out.append(("t-SNE of MoE inputs", TSNE))
+  if plot_router_state_heatmaps(records, os.path.join(workdir, ADJACENCY)):
+    out.append(("Symphony adjacency over training", ADJACENCY))
+  return out
+
+
+def routing_section(analysis: RoutingAnalysis,
+                    figures: Sequence[tuple[str, str]]) -> str:
+  """The report's "## Routing analysis" markdown."""
+  m = analysis.metrics
+  layers = sorted(analysis.num_experts, key=layer_index)
+  rows, previous = [], None
+  for layer in layers:
+    percent = ", ".join(f"{p:.1f}" for p in np.asarray(
+        m[f"{layer}/load_percent"]))
+    r = m.get(f"{layer}/instability")
+    rows.append([layer, analysis.num_experts[layer],
+                 m[f"{layer}/load_balance"], percent,
+                 "-" if r is None else f"{r:.4f} (vs {previous})"])
+    previous = layer
+  rows.append(["mean ± std over layers", "",
+               f"{m['load_balance_mean']:.4f} ± {m['load_balance_std']:.4f}",
+               "", (f"{m['instability_mean']:.4f} (mean)"
+                    if "instability_mean" in m else "-")])
+  text = (
+      "## Routing analysis\n\n"
+      f"Test split, {m['num_examples']} images, deterministic routing "
+      "(padding excluded). Load balance (ACMoE Table 6): the share of "
+      "token->expert assignments each expert received, in %; the score is "
+      "the population std of those percentages (0 = perfectly balanced). "
+      "Router instability (ACMoE C.9): the fraction of token pairs whose "
+      "'same top-1 expert' relation differs between this MoE layer and the "
+      "previous one (0 = the same clustering of tokens).\n\n"
+      + markdown_table(["MoE layer", "experts",
+                        "load-balance score (std of %)", "expert load (%)",
+                        "instability vs previous MoE layer"], rows))
+  if figures:
+    text += "\n\n" + "\n".join(f"![{c}]({f})" for c, f in figures)
+  return text
