@@ -385,3 +385,18 @@ def test_late_never_retrieved_tensorstore_future_is_dropped_only():
   assert not kept(ValueError('NOT_FOUND: Error reading "params.w1/.zarray" '
                              "[tensorstore_spec='{}']"))
   assert kept(ValueError("some other failure"))
+
+
+def test_never_awaited_orbax_coroutines_are_dropped_others_kept():
+  """A failed restore leaves orbax coroutines that never ran; Python warns
+  about each when it is collected, possibly late. Those (and only orbax's)
+  are dropped, also inside a caller's catch_warnings("always")."""
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    with orbax_quiet.quiet_orbax():
+      pass
+    for name in ("Store._get_array_metadatas", "mine", "Store.mine"):
+      warnings.warn(f"coroutine '{name}' was never awaited", RuntimeWarning)
+  assert [str(w.message) for w in caught] == [
+      "coroutine 'mine' was never awaited",
+      "coroutine 'Store.mine' was never awaited"]
