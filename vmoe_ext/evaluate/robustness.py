@@ -22,10 +22,9 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from vmoe_ext.attacks import make_attack
 from vmoe_ext.data import ArrayDataset, default_normalization, eval_batches
 from vmoe_ext.data.corruptions import CORRUPTIONS, corrupt
-from vmoe_ext.errors import ConfigError, require
+from vmoe_ext.errors import require
 from vmoe_ext.evaluate.corruption_metrics import corruption_errors
 from vmoe_ext.evaluate.datasets import check_datasets, evaluate_datasets
 from vmoe_ext.evaluate.evaluator import Evaluator, clean_accuracy

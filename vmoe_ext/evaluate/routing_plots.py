@@ -85,11 +85,16 @@ def plot_expert_maps(images: np.ndarray, maps: Mapping[str, np.ndarray],
     ax.set_yticks([])
   fig.suptitle("Top-1 expert of each patch (blank: no expert)",
                fontsize="medium")
+  _save_with_legend(plt, fig, colors, path)
+  return True
+
+
+def _save_with_legend(plt, fig, colors, path: str) -> None:
+  """The expert-colour legend under the panels, then the PNG."""
   _legend(fig, len(colors), colors, loc="lower center")
   fig.tight_layout(rect=(0, 0.07, 1, 1))
   fig.savefig(path, dpi=100)
   plt.close(fig)
-  return True
 
 
 def plot_tsne(embeddings: Mapping[str, np.ndarray],
@@ -114,10 +119,7 @@ def plot_tsne(embeddings: Mapping[str, np.ndarray],
            yticks=[])
   fig.suptitle("t-SNE of MoE inputs, coloured by top-1 expert",
                fontsize="medium")
-  _legend(fig, len(colors), colors, loc="lower center")
-  fig.tight_layout(rect=(0, 0.07, 1, 1))
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
+  _save_with_legend(plt, fig, colors, path)
   return True
 
 

@@ -201,6 +201,11 @@ class SymphonyRouter(WrapperRouter):
     return self.variable(ROUTER_STATE, "adjacency", init_adjacency,
                          self.graph_init, self.num_experts, key)
 
+  def route_base(self, x: Array, ctx: RoutingContext, **kwargs: Any
+                 ) -> RouterOutput:
+    """The base router's output on `x` (submodule "base")."""
+    return self.build_base(name="base")(x, ctx, **kwargs)
+
   def update_graph(self, graph: Any, ctx: RoutingContext, indices: Array,
                    valid: Array) -> None:
     """Algorithm 1's update from the base's selections `[..., K]`."""
@@ -215,9 +220,9 @@ class SymphonyRouter(WrapperRouter):
                deterministic: bool, update_state: bool = False
                ) -> RouterOutput:
     """x: `[G, S, D]` -> top-K of `A softmax(gamma(x))` (module doc)."""
-    base = self.build_base(name="base")
-    out = base(x, ctx, capacity=capacity, deterministic=deterministic,
-               update_state=update_state)
+    out = self.route_base(x, ctx, capacity=capacity,
+                          deterministic=deterministic,
+                          update_state=update_state)
     require(out.gates is not None, "router.base.name",
             f"base router {self.base.get('name')!r} does not return its "
             "gates (RouterOutput.gates), which Symphony smooths")

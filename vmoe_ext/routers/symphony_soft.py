@@ -90,9 +90,9 @@ class SymphonySoftRouter(SymphonyRouter):
                deterministic: bool, update_state: bool = False
                ) -> RouterOutput:
     """x: `[G, S, D]` -> SoftMoE routing with smoothed combine weights."""
-    base = self.build_base(name="base")
-    out = base(x, ctx, capacity=capacity, deterministic=deterministic,
-               update_state=update_state)
+    out = self.route_base(x, ctx, capacity=capacity,
+                          deterministic=deterministic,
+                          update_state=update_state)
     routing: SoftRouting = out.routing
     graph = self.graph(ctx)
     combine, q, fallback = symphony_soft_combine(
