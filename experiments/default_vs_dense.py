@@ -18,6 +18,7 @@ import os
 import re
 import statistics
 
+from common import mean_std, write_report
 from vmoe_ext.reporting.writers import read_metrics
 from vmoe_ext.train.config_files import load_config
 from vmoe_ext.train.loop import train_and_evaluate
@@ -62,17 +63,12 @@ def main(argv=None) -> str:
   for name in CONFIGS:
     accs = [results[name, s][0] for s in args.seeds]
     walls = [results[name, s][1] for s in args.seeds]
-    std = statistics.stdev(accs) if len(accs) > 1 else 0.0
-    lines.append(f"| {name} | {100 * statistics.mean(accs):.2f} ± "
+    mean, std = mean_std(accs)
+    lines.append(f"| {name} | {100 * mean:.2f} ± "
                  f"{100 * std:.2f}% | "
                  + ", ".join(f"{100 * a:.1f}" for a in accs)
                  + f" | {statistics.mean(walls):.0f} |")
-  text = "\n".join(lines) + "\n"
-  os.makedirs(args.root, exist_ok=True)
-  with open(os.path.join(args.root, "default_vs_dense.md"), "w") as f:
-    f.write(text)
-  print(text)
-  return text
+  return write_report(args.root, "default_vs_dense.md", lines)
 
 
 if __name__ == "__main__":

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 
+from common import mean_std, write_report
 from vmoe_ext.evaluate.final import after_training_hook
 from vmoe_ext.reporting.writers import read_metrics
 from vmoe_ext.train.config_files import load_config
@@ -91,19 +91,13 @@ def main(argv=None) -> str:
     cells = []
     for column, *_ in COLUMNS:
       values = [results[label, s][column] for s in args.seeds]
-      std = statistics.stdev(values) if len(values) > 1 else 0.0
-      cells.append(f"{statistics.mean(values):.2f} ± {std:.2f}")
+      cells.append("%.2f ± %.2f" % mean_std(values))
     lines.append(f"| {label} | " + " | ".join(cells) + " |")
   lines += ["", "Per seed:", ""]
   for (label, seed), row in results.items():
     lines.append(f"- {label}, seed {seed}: " + ", ".join(
         f"{c} {v:.3f}" for c, v in row.items()))
-  text = "\n".join(lines) + "\n"
-  os.makedirs(args.root, exist_ok=True)
-  with open(os.path.join(args.root, "symphony_vs_vmoe.md"), "w") as f:
-    f.write(text)
-  print(text)
-  return text
+  return write_report(args.root, "symphony_vs_vmoe.md", lines)
 
 
 if __name__ == "__main__":
