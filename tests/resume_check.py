@@ -9,6 +9,14 @@ import chex
 from vmoe_ext.train import loop
 
 
+def short_schedule(config: Any, total_steps: int = 6) -> Any:
+  """A few steps with a log line and a checkpoint every 2 (in place)."""
+  config.train.update(dict(total_steps=total_steps, log_every=2,
+                           eval_every=0, checkpoint_every=2,
+                           keep_checkpoints=3))
+  return config
+
+
 def straight_vs_resumed(config: Callable[[], Any], tmp_path: Any,
                         stop_at_step: int) -> tuple[dict, Any]:
   """Trains `config()` straight and with a stop at `stop_at_step` + resume.

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import naive
-from resume_check import straight_vs_resumed
+from resume_check import short_schedule, straight_vs_resumed
 from vmoe_ext.models import build_model
 from vmoe_ext.moe.capacity import compute_capacity
 from vmoe_ext.moe.layer import MoeLayer
@@ -279,9 +279,7 @@ def test_v2_router_and_stream_checkpoint_and_resume_bit_identically(
     c.model.stream = {"name": "extrapolated"}
     c.model.moe.layers = None
     c.model.moe.every = 1
-    c.train.update(dict(total_steps=6, log_every=2, eval_every=0,
-                        checkpoint_every=2, keep_checkpoints=3))
-    return c
+    return short_schedule(c)
 
   _, state = straight_vs_resumed(config, tmp_path, stop_at_step=3)
   ema = state.collections["router_state"]["encoderblock_1"]["Moe"][

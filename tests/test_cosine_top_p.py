@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import naive
-from resume_check import straight_vs_resumed
+from resume_check import short_schedule, straight_vs_resumed
 from vmoe_ext.errors import ConfigError
 from vmoe_ext.moe import MoeLayer
 from vmoe_ext.moe.contract import Assignment, LayerRecord, RoutingContext
@@ -220,9 +220,7 @@ def test_acmoe_top_p_trains_under_jit_and_grad_and_resumes_bit_identically(
         "base": {"name": "top_p", "num_selected": 3, "threshold": 0.2,
                  "learnable_threshold": True}}
     c.optimizer.warmup_steps = 1
-    c.train.update(dict(total_steps=4, log_every=2, eval_every=0,
-                        checkpoint_every=2, keep_checkpoints=3))
-    return c
+    return short_schedule(c, total_steps=4)
 
   final, state = straight_vs_resumed(config, tmp_path, stop_at_step=2)
   router = state.params["encoderblock_1"]["Moe"]["router"]["base"]

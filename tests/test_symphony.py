@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import naive
-from resume_check import straight_vs_resumed
+from resume_check import short_schedule, straight_vs_resumed
 from vmoe_ext.errors import ConfigError
 from vmoe_ext.evaluate.evaluator import Evaluator
 from vmoe_ext.models import build_model
@@ -218,9 +218,7 @@ def test_checkpoint_resume_bit_identical_with_acmoe_base(tmp_path):
     c.model.moe.every = 1  # Blocks 0 and 1: ACMoE on block 1.
     c.model.moe.router = {"name": "symphony", "beta": 0.7, "base": {
         "name": "acmoe", "base": {"name": "noisy_topk", "num_selected": 1}}}
-    c.train.update(dict(total_steps=6, log_every=2, eval_every=0,
-                        checkpoint_every=2, keep_checkpoints=3))
-    return c
+    return short_schedule(c)
 
   _, state = straight_vs_resumed(config, tmp_path, stop_at_step=3)
   graph = state.collections["router_state"]["encoderblock_1"]["Moe"][
