@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
-from typing import Sequence
+from typing import Optional, Sequence
+
+
+def parse_seeds_and_root(description: str,
+                         argv: Optional[Sequence[str]] = None
+                         ) -> argparse.Namespace:
+  """`--seeds` (default 0 1 2) and `--root` (default runs/exp)."""
+  parser = argparse.ArgumentParser(description=description)
+  parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+  parser.add_argument("--root", default=os.path.join("runs", "exp"))
+  return parser.parse_args(argv)
 
 
 def mean_std(values: Sequence[float]) -> tuple[float, float]:

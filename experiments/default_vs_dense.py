@@ -13,12 +13,11 @@ share every hyper-parameter except the MoE layers.
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import statistics
 
-from common import mean_std, write_report
+from common import mean_std, parse_seeds_and_root, write_report
 from vmoe_ext.reporting.writers import read_metrics
 from vmoe_ext.train.config_files import load_config
 from vmoe_ext.train.loop import train_and_evaluate
@@ -40,10 +39,7 @@ def wall_time(workdir: str) -> float:
 
 
 def main(argv=None) -> str:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-  parser.add_argument("--root", default=os.path.join("runs", "exp"))
-  args = parser.parse_args(argv)
+  args = parse_seeds_and_root(__doc__.splitlines()[0], argv)
   results = {}
   for name in CONFIGS:
     for seed in args.seeds:

@@ -18,10 +18,9 @@ resumed). Writes ROOT/symphony_vs_vmoe.md: mean ± std over seeds.
 
 from __future__ import annotations
 
-import argparse
 import os
 
-from common import mean_std, write_report
+from common import mean_std, parse_seeds_and_root, write_report
 from vmoe_ext.evaluate.final import after_training_hook
 from vmoe_ext.reporting.writers import read_metrics
 from vmoe_ext.train.config_files import load_config
@@ -67,10 +66,7 @@ def figures(workdir: str):
 
 
 def main(argv=None) -> str:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-  parser.add_argument("--root", default=os.path.join("runs", "exp"))
-  args = parser.parse_args(argv)
+  args = parse_seeds_and_root(__doc__.splitlines()[0], argv)
   results = {}
   for label, name in CONFIGS.items():
     for seed in args.seeds:
