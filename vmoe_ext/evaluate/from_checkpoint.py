@@ -22,8 +22,7 @@ from vmoe_ext.data import (ArrayDataset, default_normalization, eval_batches,
                            load_dataset)
 from vmoe_ext.data.tfds_adapter import load_tfds_split
 from vmoe_ext.errors import require
-from vmoe_ext.evaluate.robustness import evaluate_robustness
-from vmoe_ext.evaluate.routing_report import evaluate_routing
+from vmoe_ext.evaluate.final import final_evaluations
 from vmoe_ext.models import build_model
 from vmoe_ext.reporting.report import listify, write_report
 from vmoe_ext.reporting.writers import MetricWriter, read_metrics
@@ -119,8 +118,8 @@ def _training_record(source: str, step: int) -> list[dict[str, Any]]:
 def evaluate_checkpoint(config: ml_collections.ConfigDict,
                         workdir: str) -> dict[str, Any]:
   """Restores `config.robustness.checkpoint_dir`'s newest checkpoint and writes
-  the clean, routing (`evaluate_routing`) and robustness evaluations to
-  `output_dir(workdir)`.
+  the clean evaluation and `final.final_evaluations` (routing analysis,
+  robustness) to `output_dir(workdir)`.
 
   The config must describe the same model and data as the training run (the
   checkpoint's fingerprint is checked).
@@ -154,14 +153,9 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict,
     writer.truncate(keep_lines=0)
     final = evaluate(jax.jit(make_eval_step(model)), state, batches())
     writer.write(step, "test", final, final=True)
-    sections = evaluate_routing(
-        model, state.variables(), test, config.data,
-        batch_size=config.data.eval_batch_size, writer=writer, step=step,
+    sections = final_evaluations(
+        model, state.variables(), test, config, writer=writer, step=step,
         workdir=out, records=_training_record(source, step))
-    sections += evaluate_robustness(
-        model, state.variables(), test, config.data,
-        config.robustness, batch_size=config.data.eval_batch_size,
-        writer=writer, step=step, workdir=out)
   final = listify(final)
   final["step"] = step
   write_report(out, final_metrics=final, records=read_metrics(out),
