@@ -254,7 +254,9 @@ class VisionTransformerMoe(nn.Module):
         layer.router.check_placement(layers)
     stream = dict(self.stream or DEFAULT_STREAM)
     with field_scope("stream"):
-      STREAMS.build(stream, parent=None)
+      STREAMS.build(stream, parent=None).check_placement(
+          resolve_moe_layers(self.num_layers, moe["layers"], moe["every"],
+                             moe["last"]) if moe is not None else ())
     object.__setattr__(self, "moe", moe)
     object.__setattr__(self, "stream", stream)
     super().__post_init__()

@@ -72,6 +72,11 @@ class ResidualStream(nn.Module):
     del x
     return ()
 
+  def check_placement(self, moe_blocks: tuple[int, ...]) -> None:
+    """Raises ConfigError if the stream cannot serve MoE blocks
+    `moe_blocks` (encoder block indices); called before anything traces."""
+    del moe_blocks
+
   def __call__(self, x: Array, ffn: Ffn, state: Any, *,
                ctx: RoutingContext, is_moe: bool) -> tuple[Array, Any]:
     raise NotImplementedError
