@@ -206,3 +206,113 @@ def symphony_step(tokens, kernel, adjacency, *, k, beta, threshold=0.0):
       normed[i] = counts[i] / total
   new = beta * a + (1 - beta) * normed              # line 16
   return np.array(indices), np.array(weights), new
+
+
+# ----------------------------------------------------------------------------
+# Momentum residual streams (DESIGN §4.7), written from the paper's equations
+# (paper layout: f = -u, u the MoE output) and from the authors' V-MoE code
+# (vmoe_reference: m = mu m + gamma u; LN_2(x - m), robust m = -u + mu m;
+# LN_2(x + gamma m), extrapolation after LN_1). One block at a time: the
+# caller hands in the stream input x, the MoE outputs u of the block's calls
+# in order, and gets back the expected MoE inputs h and the block output.
+# ----------------------------------------------------------------------------
+
+
+def layer_norm(x, scale, bias, eps=1e-6):
+  x = np.asarray(x, np.float64)
+  mean = x.mean(-1, keepdims=True)
+  var = ((x - mean) ** 2).mean(-1, keepdims=True)
+  return (x - mean) / np.sqrt(var + eps) * scale + bias
+
+
+class MomentumReference:
+  """NumPy momentum recurrence over the blocks of one forward pass.
+
+  `name`/`fields`: the stream config; `coeffs`: its resolved numbers
+  (mu, gamma, alpha, ... as the test computes them independently).
+  Call `block(x, us, ln1, ln2, is_moe)` for every block the stream runs in
+  (all blocks for vmoe_reference, MoE blocks for paper), where `us(h)`
+  returns the next captured MoE output given the expected input `h`.
+  """
+
+  def __init__(self, name, layout, coeffs):
+    self.name, self.layout, self.c = name, layout, coeffs
+    self.t = 0          # MoE blocks seen.
+    self.p = 0.0        # Momentum vector (paper p / code m), may be complex.
+    self.v = 0.0        # Second moment (Adam, RMSprop).
+    self.p_adam = 0.0   # The code form's positive first moment.
+
+  def block(self, x, us, ln1, ln2, is_moe):
+    x = np.asarray(x, np.float64)
+    c, vm = self.c, self.layout == "vmoe_reference"
+    if not is_moe:
+      shift = c["alpha"] * c["gamma"] * self.p if self.name == \
+          "robust_momentum" else 0.0
+      return layer_norm(x + us(layer_norm(x, *ln1) + shift), *ln2)
+    self.t += 1
+    out = self._moe(x, us, ln1)
+    return layer_norm(out, *ln2) if vm else out
+
+  def _at(self, x, shift, ln1):
+    """The MoE input for the point x moved by shift (layout rule)."""
+    if self.layout == "vmoe_reference":
+      return layer_norm(x, *ln1) + shift
+    return layer_norm(x + shift, *ln1)
+
+  def _heavy(self, x, u, mu, gamma):
+    if self.layout == "vmoe_reference":      # m = mu m + gamma u; x - m
+      self.p = mu * self.p + gamma * u
+      return x - self.p
+    self.p = u + mu * self.p                  # p = -f + mu p, f = -u
+    return x + gamma * self.p
+
+  def _moe(self, x, us, ln1):
+    c, name, vm = self.c, self.name, self.layout == "vmoe_reference"
+    grad = (lambda u: u) if vm else (lambda u: -u)   # the optimiser's f
+    if name in ("momentum", "time_varying"):
+      mu = c["mu"](self.t) if callable(c["mu"]) else c["mu"]
+      return self._heavy(x, us(self._at(x, 0.0, ln1)), mu, c["gamma"])
+    if name == "robust_momentum":
+      y_shift = c["alpha"] * c["gamma"] * self.p
+      f = grad(us(self._at(x, y_shift, ln1)))
+      self.p = -f + c["mu"] * self.p
+      return x + c["gamma"] * self.p
+    if name == "nag":
+      f = grad(us(self._at(x, c["sign"] * c["mu"] * self.p, ln1)))
+      self.p = c["mu"] * self.p - c["gamma"] * f
+      return x + self.p
+    if name == "sam":
+      f0 = grad(us(self._at(x, 0.0, ln1)))
+      norm = np.sqrt((f0 ** 2).sum(-1, keepdims=True))
+      f1 = grad(us(self._at(x, c["rho"] * f0 / norm, ln1)))
+      return x - c["gamma"] * f1
+    if name == "complex_momentum":
+      f = grad(us(self._at(x, 0.0, ln1)))
+      self.p = -f + c["mu"] * self.p
+      return x + c["gamma"] * np.real(self.p)
+    if self.t > 1:                            # adam / rmsprop, later blocks
+      return self._heavy(x, us(self._at(x, 0.0, ln1)), c["hb_mu"],
+                         c["hb_gamma"])
+    u = us(self._at(x, 0.0, ln1))
+    if name == "rmsprop":
+      f = grad(u)
+      self.v = c["mu"] * self.v + (1 - c["mu"]) * f * f
+      self.p = 0.0
+      return x - c["gamma"] * f / np.sqrt(self.v + c["eps"])
+    if c["form"] == "code" and vm:            # the authors' code, verbatim
+      self.p_adam = c["beta1"] * self.p_adam + (1 - c["beta1"]) * u
+      self.v = c["beta"] * self.v + (1 - c["beta"]) * u ** 2
+      adam = c["gamma"] / np.sqrt(self.v + c["eps"]) * self.p_adam + x
+      self.p = c["hb_mu"] * 0.0 + c["hb_gamma"] * u
+      return x - adam
+    f = grad(u)
+    decay = c["beta1"] if c["form"] == "code" else c["mu"]
+    self.p_adam = decay * self.p_adam + (1 - decay) * (-f)
+    self.v = c["beta"] * self.v + (1 - c["beta"]) * f * f
+    if c["form"] == "code":
+      step = c["gamma"] * self.p_adam / np.sqrt(self.v + c["eps"])
+      self.p = -f                              # heavy-ball from zero
+    else:
+      step = c["gamma"] * self.p_adam / (np.sqrt(self.v) + c["eps"])
+      self.p = (-c["hb_gamma"] * self.p_adam if vm else self.p_adam)
+    return x + step - c["kappa"] * x
