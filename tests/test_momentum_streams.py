@@ -185,6 +185,35 @@ def test_robust_momentum_with_every_router(router, images):
                            ROBUST, images)
 
 
+ALL_STREAMS = [
+    {"name": "momentum", "learn": "gamma"}, {"name": "adam"},
+    {"name": "robust_momentum"}, {"name": "nag"}, {"name": "time_varying"},
+    {"name": "rmsprop"}, {"name": "sam"}, {"name": "complex_momentum"}]
+
+
+@pytest.mark.parametrize("stream", ALL_STREAMS, ids=lambda s: s["name"])
+def test_every_stream_composes_with_acmoe_and_symphony_in_training(
+    stream, images):
+  """A training-mode forward (router noise, state updates) with Symphony
+  over ACMoE: the graph is updated exactly once per MoE block per step (the
+  primary call), whatever the number of MoE calls the stream makes."""
+  model = _model(stream, router={"name": "symphony", "beta": 0.5, "base": {
+      "name": "acmoe", "layers": "full",
+      "base": {"name": "noisy_topk", "num_selected": 2}}})
+  variables = model.init(jax.random.key(0), images)
+  (logits, metrics), state = model.apply(
+      variables, images, deterministic=False, update_state=True,
+      mutable=["router_state"], rngs={"gating": jax.random.key(3),
+                                      "dropout": jax.random.key(4)})
+  assert np.all(np.isfinite(np.asarray(logits)))
+  assert np.isfinite(float(metrics["auxiliary_loss"]))
+  for i in MOE_BLOCKS:
+    graph = np.asarray(state["router_state"][f"encoderblock_{i}"]["Moe"][
+        "router"]["adjacency"])
+    # One EMA step from zeros: rows sum to (1 - beta) = 0.5, not 0.75.
+    np.testing.assert_allclose(graph.sum(1), 0.5, rtol=1e-5)
+
+
 def test_soft_moe_backbone(images):
   model = _model({"name": "adam", "form": "code", "layout": "paper"},
                  router={"name": "soft", "num_slots": 2},
