@@ -78,10 +78,8 @@ class AdamSMoE(FirstLayerThenHeavyBall):
     super().__post_init__()
 
   @property
-  def heavy_ball_coefficients(self) -> tuple[float, float]:
-    return (self.mu if self.momentum_mu is None else self.momentum_mu,
-            self.gamma if self.momentum_gamma is None
-            else self.momentum_gamma)
+  def heavy_ball_defaults(self) -> tuple[float, float]:
+    return self.mu, self.gamma
 
   def init_state(self, x: Array) -> Any:
     zeros = jnp.zeros_like(x)

@@ -44,10 +44,16 @@ class FirstLayerThenHeavyBall(MomentumStream):
     super().__post_init__()
 
   @property
+  def heavy_ball_defaults(self) -> tuple[float, float]:
+    """`(mu, gamma)` of the later blocks when the fields are unset."""
+    return 0.7, 1.0
+
+  @property
   def heavy_ball_coefficients(self) -> tuple[float, float]:
-    """`(mu, gamma)` of the later blocks; subclasses give the defaults."""
-    return (0.7 if self.momentum_mu is None else self.momentum_mu,
-            1.0 if self.momentum_gamma is None else self.momentum_gamma)
+    """`(mu, gamma)` of the later blocks."""
+    mu, gamma = self.heavy_ball_defaults
+    return (mu if self.momentum_mu is None else self.momentum_mu,
+            gamma if self.momentum_gamma is None else self.momentum_gamma)
 
   def check_placement(self, moe_blocks: tuple[int, ...]) -> None:
     if self.block is None:

@@ -41,10 +41,8 @@ class RmsPropSMoE(FirstLayerThenHeavyBall):
     super().__post_init__()
 
   @property
-  def heavy_ball_coefficients(self) -> tuple[float, float]:
-    return (0.7 if self.momentum_mu is None else self.momentum_mu,
-            self.gamma if self.momentum_gamma is None
-            else self.momentum_gamma)
+  def heavy_ball_defaults(self) -> tuple[float, float]:
+    return 0.7, self.gamma
 
   def init_state(self, x: Array) -> Any:
     zeros = jnp.zeros_like(x)
