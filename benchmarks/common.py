@@ -1,4 +1,10 @@
-"""Shared benchmark helpers: side-by-side timing and XLA cost analysis."""
+"""Shared benchmark helpers: side-by-side timing and XLA cost analysis.
+
+Also the full-train-step harness shared by `router_overhead.py` and
+`stream_overhead.py`: `image_batch`, `compile_train_steps` (the project's
+jitted, donated step compiled ahead of time, with its XLA FLOP count) and
+`time_train_steps` (interleaved timing of those steps plus an A/A control).
+"""
 
 from __future__ import annotations
 
@@ -8,9 +14,11 @@ import os
 import platform
 import statistics
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Optional
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 
 def xla_flops(fn: Callable, *args: Any) -> float:
@@ -57,3 +65,85 @@ def parse_args(description: str, argv=None) -> argparse.Namespace:
   parser.add_argument("--repeats", type=int, default=7,
                       help="interleaved timed repetitions (median reported)")
   return parser.parse_args(argv)
+
+
+def image_batch(batch: int, image: int, num_classes: int = 10,
+                seed: int = 0) -> dict[str, jax.Array]:
+  """A fixed random batch of `batch` RGB images `image x image` and labels."""
+  rng = np.random.default_rng(seed)
+  return {"image": jnp.asarray(rng.random((batch, image, image, 3),
+                                          np.float32)),
+          "label": jnp.asarray(rng.integers(0, num_classes, batch),
+                               jnp.int32)}
+
+
+def compile_train_steps(model_configs: Mapping[str, Mapping[str, Any]],
+                        batch: Mapping[str, jax.Array],
+                        optimizer: Mapping[str, Any]
+                        ) -> tuple[dict[str, Any], dict[str, Any],
+                                   dict[str, float]]:
+  """The project's train step for each model config, compiled ahead of time.
+
+  For each `name -> model config`: the model is built and initialised (the
+  same keys for every candidate), and `make_train_step` (forward, backward,
+  optimizer update, NaN guard) is jitted with the state donated, lowered on
+  `batch` and compiled once. Returns `(compiled, states, flops)`, each keyed
+  by name; `flops` is the XLA cost analysis of that executable (as
+  `xla_flops`, without a second compile).
+  """
+  from vmoe_ext.models import build_model
+  from vmoe_ext.train.optimizer import make_learning_rate, make_optimizer
+  from vmoe_ext.train.state import TrainState
+  from vmoe_ext.train.steps import make_train_step
+
+  tx = make_optimizer(dict(optimizer))
+  lr = make_learning_rate(dict(optimizer))
+  compiled, states, flops = {}, {}, {}
+  for name, config in model_configs.items():
+    model = build_model(dict(config))
+    init_key, state_key = jax.random.split(jax.random.key(0))
+    variables = jax.jit(model.init)(init_key, batch["image"])
+    states[name] = TrainState.create(variables, tx, state_key)
+    compiled[name] = jax.jit(make_train_step(model, learning_rate_fn=lr),
+                             donate_argnums=0).lower(states[name],
+                                                     batch).compile()
+    cost = compiled[name].cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    flops[name] = float(cost.get("flops", float("nan")))
+  return compiled, states, flops
+
+
+def time_train_steps(compiled: dict[str, Any], states: dict[str, Any],
+                     batch: Mapping[str, jax.Array], steps: int, repeats: int,
+                     control: Optional[str] = "baseline"
+                     ) -> tuple[dict[str, float], list[float],
+                                dict[str, int]]:
+  """Milliseconds per train step of each compiled step, side by side.
+
+  `control`: when set, adds the A/A candidate "control" (that candidate's
+  executable again, on its own copy of the state), whose deviation from it
+  is the timing noise of the run. One sample is `steps` consecutive steps on
+  the candidate's own state, carried over from sample to sample (the old
+  buffers are donated; no copy in the timed region); `time_side_by_side`
+  with one warm-up. `compiled` and `states` are updated in place. Returns
+  `(ms per step, [load average before, after], non-finite steps skipped)`.
+  """
+  if control is not None:
+    compiled["control"] = compiled[control]
+    states["control"] = jax.tree.map(jnp.copy, states[control])
+
+  def run(name):
+    state = states[name]
+    for _ in range(steps):
+      state, _ = compiled[name](state, batch)
+    states[name] = state  # The old buffers were donated.
+    return state.params
+
+  load = [os.getloadavg()[0]]  # Other jobs on the machine skew the timings.
+  seconds = time_side_by_side({n: (lambda n=n: run(n)) for n in compiled},
+                              repeats, warmup=1)
+  load.append(os.getloadavg()[0])
+  ms = {n: v / steps * 1e3 for n, v in seconds.items()}
+  skipped = {n: int(jax.device_get(st.nonfinite_count))
+             for n, st in states.items()}
+  return ms, load, skipped

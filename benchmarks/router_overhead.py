@@ -49,18 +49,10 @@ import os
 import sys
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (machine, parse_args,  # noqa: E402
-                    print_json_last, time_side_by_side)
-
-from vmoe_ext.models import build_model  # noqa: E402
-from vmoe_ext.train.optimizer import (make_learning_rate,  # noqa: E402
-                                      make_optimizer)
-from vmoe_ext.train.state import TrainState  # noqa: E402
-from vmoe_ext.train.steps import make_train_step  # noqa: E402
+from common import (compile_train_steps, image_batch,  # noqa: E402
+                    machine, parse_args, print_json_last, time_train_steps)
 
 ACMOE = {"name": "acmoe", "normalization": "swin",
          "base": {"name": "noisy_topk", "num_selected": 2}}
@@ -103,43 +95,14 @@ def main(argv=None) -> dict:
   s = shapes(args.quick)
   steps = STEPS // 2 if args.quick else STEPS
   repeats = max(3, args.repeats)
-  rng = np.random.default_rng(0)
-  batch = {"image": jnp.asarray(rng.random(
-      (s["batch"], s["image"], s["image"], 3), np.float32)),
-           "label": jnp.asarray(rng.integers(0, 10, s["batch"]), jnp.int32)}
-  tx = make_optimizer(OPTIMIZER)
-  lr = make_learning_rate(OPTIMIZER)
-  steps_fns, states, flops = {}, {}, {}
-  for name, router in ROUTERS.items():
-    model = build_model(model_config(router, s))
-    init_key, state_key = jax.random.split(jax.random.key(0))
-    variables = jax.jit(model.init)(init_key, batch["image"])
-    states[name] = TrainState.create(variables, tx, state_key)
-    compiled = jax.jit(make_train_step(model, learning_rate_fn=lr),
-                       donate_argnums=0).lower(states[name], batch).compile()
-    cost = compiled.cost_analysis()  # As `common.xla_flops`, one compile.
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    flops[name] = float(cost.get("flops", float("nan")))
-    steps_fns[name] = compiled
+  batch = image_batch(s["batch"], s["image"])
+  steps_fns, states, flops = compile_train_steps(
+      {name: model_config(router, s) for name, router in ROUTERS.items()},
+      batch, OPTIMIZER)
   # A/A control: the baseline's executable again on its own copy of the
   # state; its "overhead" is the timing noise of this run.
-  steps_fns["control"] = steps_fns["baseline"]
-  states["control"] = jax.tree.map(jnp.copy, states["baseline"])
-
-  def run(name):
-    state = states[name]
-    for _ in range(steps):
-      state, _ = steps_fns[name](state, batch)
-    states[name] = state  # The old buffers were donated.
-    return state.params
-
-  load = [os.getloadavg()[0]]  # Other jobs on the machine skew the timings.
-  seconds = time_side_by_side({n: (lambda n=n: run(n)) for n in steps_fns},
-                              repeats, warmup=1)
-  load.append(os.getloadavg()[0])
-  ms = {n: v / steps * 1e3 for n, v in seconds.items()}
-  skipped = {n: int(jax.device_get(st.nonfinite_count))
-             for n, st in states.items()}
+  ms, load, skipped = time_train_steps(steps_fns, states, batch, steps,
+                                       repeats, control="baseline")
   print(f"machine: {machine()}")
   print(f"B*T = {s['batch'] * (s['image'] // 4)**2} tokens, D={s['hidden']}, "
         f"H={s['mlp']}, E={s['experts']}, K=2, MoE blocks 1 and 3; {steps} "
