@@ -237,6 +237,7 @@ class VisionTransformerMoe(nn.Module):
       rate = getattr(self, field)
       require(0.0 <= rate < 1.0, field, f"must be in [0, 1), got {rate}")
     moe = moe_config(self.moe)
+    layers: tuple[int, ...] = ()
     if moe is not None:
       # Validate everything now, before any tracing: placement, router, layer.
       layers = resolve_moe_layers(self.num_layers, moe["layers"],
@@ -254,9 +255,7 @@ class VisionTransformerMoe(nn.Module):
         layer.router.check_placement(layers)
     stream = dict(self.stream or DEFAULT_STREAM)
     with field_scope("stream"):
-      STREAMS.build(stream, parent=None).check_placement(
-          resolve_moe_layers(self.num_layers, moe["layers"], moe["every"],
-                             moe["last"]) if moe is not None else ())
+      STREAMS.build(stream, parent=None).check_placement(layers)
     object.__setattr__(self, "moe", moe)
     object.__setattr__(self, "stream", stream)
     super().__post_init__()
