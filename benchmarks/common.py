@@ -58,6 +58,28 @@ def print_json_last(figures: Mapping[str, Any]) -> None:
   print(json.dumps(dict(figures), sort_keys=True))
 
 
+def overhead_figures(quick: bool, load: Any, ms: Mapping[str, float],
+                     flops: Mapping[str, float],
+                     references: Mapping[str, str]) -> dict[str, Any]:
+  """The JSON figures of a train-step overhead benchmark.
+
+  `references` maps each candidate to the one it is compared with; gives
+  `{name}_overhead` (time ratio - 1) and `{name}_flops_overhead` for each,
+  `control_overhead` (the A/A control vs "baseline"), and every
+  candidate's `_ms_per_step` / `_gflops_per_step`.
+  """
+  figures: dict[str, Any] = {"quick": bool(quick),
+                             "device": jax.devices()[0].device_kind,
+                             "load_average": load}
+  for name, ref in references.items():
+    figures[f"{name}_overhead"] = ms[name] / ms[ref] - 1
+    figures[f"{name}_flops_overhead"] = flops[name] / flops[ref] - 1
+  figures["control_overhead"] = ms["control"] / ms["baseline"] - 1
+  figures.update({f"{n}_ms_per_step": v for n, v in ms.items()})
+  figures.update({f"{n}_gflops_per_step": v / 1e9 for n, v in flops.items()})
+  return figures
+
+
 def parse_args(description: str, argv=None) -> argparse.Namespace:
   """The flags every benchmark takes: `--quick` and `--repeats`."""
   parser = argparse.ArgumentParser(description=description)

@@ -48,11 +48,10 @@ from __future__ import annotations
 import os
 import sys
 
-import jax
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (compile_train_steps, image_batch,  # noqa: E402
-                    machine, parse_args, print_json_last, time_train_steps)
+                    machine, overhead_figures, parse_args,
+                    print_json_last, time_train_steps)
 
 ACMOE = {"name": "acmoe", "normalization": "swin",
          "base": {"name": "noisy_topk", "num_selected": 2}}
@@ -115,17 +114,12 @@ def main(argv=None) -> dict:
           f"{ms[name] / ms[ref] - 1:+7.2%} vs {ref}")
   print(f"{'control':<15}{ms['control']:>10.2f} ms/step  (baseline again: "
         f"noise {ms['control'] / ms['baseline'] - 1:+.2%})")
-  figures = {"quick": bool(args.quick), "device": jax.devices()[0].device_kind,
-             "load_average": load}
-  for name in ("acmoe", "xmoe", "topp", "symphony", "acmoe_symphony"):
-    ref = REFERENCE.get(name, "baseline")
-    figures[f"{name}_overhead"] = ms[name] / ms[ref] - 1
-    figures[f"{name}_flops_overhead"] = flops[name] / flops[ref] - 1
+  figures = overhead_figures(
+      args.quick, load, ms, flops,
+      {n: REFERENCE.get(n, "baseline")
+       for n in ("acmoe", "xmoe", "topp", "symphony", "acmoe_symphony")})
   figures["acmoe_symphony_vs_baseline"] = (ms["acmoe_symphony"]
                                            / ms["baseline"] - 1)
-  figures["control_overhead"] = ms["control"] / ms["baseline"] - 1
-  figures.update({f"{n}_ms_per_step": v for n, v in ms.items()})
-  figures.update({f"{n}_gflops_per_step": v / 1e9 for n, v in flops.items()})
   print_json_last(figures)
   return figures
 

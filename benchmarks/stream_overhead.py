@@ -59,11 +59,10 @@ from __future__ import annotations
 import os
 import sys
 
-import jax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (compile_train_steps, image_batch,  # noqa: E402
-                    machine, parse_args, print_json_last, time_train_steps)
+                    machine, overhead_figures, parse_args, print_json_last, time_train_steps)
 from router_overhead import (OPTIMIZER, ROUTERS, STEPS,  # noqa: E402
                              model_config, shapes)
 
@@ -117,19 +116,13 @@ def main(argv=None) -> dict:
         f"noise {ms['control'] / ms['baseline'] - 1:+.2%})")
   print(f"momentum update within the vmoe_reference layout: momentum / "
         f"layout_only - 1 = {ms['momentum'] / ms['layout_only'] - 1:+.2%}")
-  figures = {"quick": bool(args.quick), "device": jax.devices()[0].device_kind,
-             "load_average": load, "target": TARGET}
-  for name in STREAMS:
-    if name == "baseline":
-      continue
-    figures[f"{name}_overhead"] = ms[name] / ms["baseline"] - 1
-    figures[f"{name}_flops_overhead"] = flops[name] / flops["baseline"] - 1
+  figures = overhead_figures(
+      args.quick, load, ms, flops,
+      {n: "baseline" for n in STREAMS if n != "baseline"})
+  figures["target"] = TARGET
   figures["momentum_vs_layout_only"] = ms["momentum"] / ms["layout_only"] - 1
-  figures["control_overhead"] = ms["control"] / ms["baseline"] - 1
   figures["targets_met"] = {n: figures[f"{n}_overhead"] <= TARGET
                             for n in TARGETED}
-  figures.update({f"{n}_ms_per_step": v for n, v in ms.items()})
-  figures.update({f"{n}_gflops_per_step": v / 1e9 for n, v in flops.items()})
   print_json_last(figures)
   return figures
 
