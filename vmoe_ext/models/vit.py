@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from vmoe_ext.errors import ConfigError, field_scope, require
 from vmoe_ext.models.placement import resolve_moe_layers
 from vmoe_ext.moe.contract import RoutingContext
+from vmoe_ext.moe.experts import DenseMlp, check_activation
 from vmoe_ext.moe.layer import MoeLayer
 from vmoe_ext.routers.registry import ROUTERS
 from vmoe_ext.streams import STREAMS
@@ -43,6 +44,8 @@ MOE_DEFAULTS: dict[str, Any] = {
     "dropout_rate": None,       # expert dropout (None: the model's)
     "expert_init": "independent",
     "dispatch_dtype": None,     # None (float32) | "bfloat16"
+    "shared_experts": 0,        # N_s always-on experts of width hidden_size
+    "output_bias": "experts",   # "experts" (vmoe) | "once" (dense-exact)
     "router": {"name": "noisy_topk", "num_selected": 1},
 }
 DEFAULT_STREAM = {"name": "plain"}
@@ -64,21 +67,8 @@ def moe_config(moe: Optional[Mapping[str, Any]]) -> Optional[dict[str, Any]]:
   return {**MOE_DEFAULTS, **moe}
 
 
-class MlpBlock(nn.Module):
-  """Dense ViT MLP `D -> H -> D` with GELU and dropout."""
-  mlp_dim: int
-  dropout_rate: float = 0.0
-  dtype: Any = jnp.float32
-
-  @nn.compact
-  def __call__(self, x: Array, *, deterministic: bool = True) -> Array:
-    d = x.shape[-1]
-    init = dict(kernel_init=nn.initializers.xavier_uniform(),
-                bias_init=nn.initializers.normal(stddev=1e-6), dtype=self.dtype)
-    x = nn.gelu(nn.Dense(self.mlp_dim, name="Dense_0", **init)(x))
-    x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
-    x = nn.Dense(d, name="Dense_1", **init)(x)
-    return nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
+# The dense MLP (`Mlp/Dense_0`, `Mlp/Dense_1`; `Mlp/Dense_up` when gated).
+MlpBlock = DenseMlp
 
 
 class EncoderBlock(nn.Module):
@@ -93,6 +83,7 @@ class EncoderBlock(nn.Module):
   mlp_dim: int
   dropout_rate: float = 0.0
   attention_dropout_rate: float = 0.0
+  mlp_activation: str = "gelu"
   moe: Optional[Mapping[str, Any]] = None  # filled by `moe_config`
   stream: Mapping[str, Any] = dataclasses.field(
       default_factory=lambda: dict(DEFAULT_STREAM))
@@ -113,10 +104,10 @@ class EncoderBlock(nn.Module):
     is_moe = self.moe is not None
     if is_moe:
       layer = build_moe_layer(self.moe, self.mlp_dim, self.dropout_rate,
-                              self.dtype, name="Moe")
+                              self.dtype, self.mlp_activation, name="Moe")
     else:
       layer = MlpBlock(self.mlp_dim, self.dropout_rate, self.dtype,
-                       name="Mlp")
+                       self.mlp_activation, name="Mlp")
     if not is_moe and STREAMS.build(self.stream,
                                     parent=None).blocks != "all":
       return x + layer(norm(x), deterministic=deterministic), ctx, None
@@ -153,7 +144,8 @@ class EncoderBlock(nn.Module):
 
 
 def build_moe_layer(moe: Mapping[str, Any], mlp_dim: int, dropout_rate: float,
-                    dtype: Any, **module_kwargs: Any) -> MoeLayer:
+                    dtype: Any, activation: str = "gelu",
+                    **module_kwargs: Any) -> MoeLayer:
   """The `MoeLayer` described by a filled `moe` config dict."""
   with field_scope("moe.router"):
     router = ROUTERS.build(moe["router"], num_experts=moe["num_experts"],
@@ -171,7 +163,8 @@ def build_moe_layer(moe: Mapping[str, Any], mlp_dim: int, dropout_rate: float,
                     else moe["dropout_rate"]),
       expert_init=moe["expert_init"],
       dispatch_dtype=moe["dispatch_dtype"],
-      dtype=dtype, **module_kwargs)
+      shared_experts=moe["shared_experts"], output_bias=moe["output_bias"],
+      activation=activation, dtype=dtype, **module_kwargs)
 
 
 class VisionTransformerMoe(nn.Module):
@@ -186,6 +179,9 @@ class VisionTransformerMoe(nn.Module):
     mlp_dim: H of the dense MLPs (and of the experts unless moe.hidden_size).
     classifier: "token" (class token) or "gap" (global average pooling).
     dropout_rate / attention_dropout_rate: dropout rates.
+    mlp_activation: "gelu" (ViT, the default), "relu", or "swiglu" (gated:
+      `silu(x W_0) * (x W_up)`, a third kernel `Dense_up`), for the dense
+      MLPs and the experts alike (`vmoe_ext.moe.experts`).
     moe: None for a dense ViT, else a dict of `MOE_DEFAULTS` fields.
     stream: the residual stream `{"name": ..., **fields}` (`vmoe_ext.streams`;
       default plain), for the MoE blocks or, with `blocks="all"`, every block.
@@ -210,6 +206,7 @@ class VisionTransformerMoe(nn.Module):
   classifier: str = "token"
   dropout_rate: float = 0.0
   attention_dropout_rate: float = 0.0
+  mlp_activation: str = "gelu"
   moe: Optional[Mapping[str, Any]] = None
   stream: Optional[Mapping[str, Any]] = None
   state_axis_name: Optional[str] = None
@@ -236,6 +233,7 @@ class VisionTransformerMoe(nn.Module):
     for field in ("dropout_rate", "attention_dropout_rate"):
       rate = getattr(self, field)
       require(0.0 <= rate < 1.0, field, f"must be in [0, 1), got {rate}")
+    check_activation(self.mlp_activation)
     moe = moe_config(self.moe)
     layers: tuple[int, ...] = ()
     if moe is not None:
@@ -246,7 +244,7 @@ class VisionTransformerMoe(nn.Module):
               "moe.num_experts",
               f"must be a positive integer, got {moe['num_experts']!r}")
       layer = build_moe_layer(moe, self.mlp_dim, self.dropout_rate,
-                              self.dtype, parent=None)
+                              self.dtype, self.mlp_activation, parent=None)
       require(not layer.router.needs_previous, "moe.router.name",
               f"router {moe['router']['name']!r} reads the previous MoE "
               f"layer's assignment, so it cannot route the first MoE layer "
@@ -303,6 +301,7 @@ class VisionTransformerMoe(nn.Module):
           num_heads=self.num_heads, mlp_dim=self.mlp_dim,
           dropout_rate=self.dropout_rate,
           attention_dropout_rate=self.attention_dropout_rate,
+          mlp_activation=self.mlp_activation,
           moe=self.moe if i in moe_layers else None, stream=self.stream,
           dtype=self.dtype, name=f"encoderblock_{i}")(
               x, ctx.at_layer(i), deterministic=deterministic,

@@ -1,16 +1,24 @@
-"""Expert MLPs applied over a leading expert axis: `[E, N, D] -> [E, N, D]`.
+"""Expert MLPs over a leading expert axis `[E, N, D] -> [E, N, D]`, and the dense MLP.
 
 The compute is the pure function `mlp_experts(params, x)` of the expert
 weights, so a `shard_map` can take the weights as arguments (expert
 parallelism); `MlpExperts` is the thin module that owns them. The parameters
-mirror the dense ViT MLP (`Mlp/Dense_0/{kernel,bias}`, `Mlp/Dense_1/...`) with
-a leading expert axis, as in google's vmoe:
+mirror the dense ViT MLP (`DenseMlp`: `Mlp/Dense_0/{kernel,bias}`,
+`Mlp/Dense_1/...`) with a leading expert axis, as in google's vmoe:
 
-    Dense_0/kernel [E, D, H]   Dense_0/bias [E, H]
-    Dense_1/kernel [E, H, D]   Dense_1/bias [E, D]
+    Dense_0/kernel [E, D, H]   Dense_0/bias [E, H]      (activated branch)
+    Dense_up/kernel [E, D, H]  Dense_up/bias [E, H]     (gated MLPs only)
+    Dense_1/kernel [E, H, D]   Dense_1/bias [E, D]      (output; the bias is
+                                                         absent when the MoE
+                                                         layer adds it once)
 
 so a dense MLP initialises every expert with one rule
 (`(.*)/Moe/Mlp/(.*) -> \\1/Mlp/\\2`, see `vmoe_ext.train.initialization`).
+
+Activations (`ACTIVATIONS`): "gelu" and "relu" give `h = act(x W_0 + b_0)`;
+"swiglu" (Shazeer 2020, LLaMA's FFN) gives the gated
+`h = silu(x W_0 + b_0) * (x W_up + b_up)`: `Dense_0` is LLaMA's `gate_proj`,
+`Dense_up` its `up_proj`, `Dense_1` its `down_proj`.
 """
 
 from __future__ import annotations
@@ -25,6 +33,28 @@ from vmoe_ext.errors import require
 
 Array = jax.Array
 INIT_MODES = ("independent", "shared")
+# Name -> the activation of the first layer; gated ones multiply it by the
+# linear `Dense_up` branch.
+_ACTIVATION_FNS: dict[str, Callable[[Array], Array]] = {
+    "gelu": nn.gelu, "relu": nn.relu, "swiglu": nn.silu}
+GATED = ("swiglu",)
+ACTIVATIONS = tuple(_ACTIVATION_FNS)
+
+
+def check_activation(activation: str, field: str = "mlp_activation") -> None:
+  require(activation in _ACTIVATION_FNS, field,
+          f"unknown MLP activation {activation!r}; expected one of "
+          f"{ACTIVATIONS}")
+
+
+def hidden_activation(activation: str, pre: Array,
+                      up: Optional[Array] = None) -> Array:
+  """The hidden units `[..., H]` from the pre-activations of `Dense_0` (and,
+  for a gated activation, of `Dense_up`)."""
+  act = _ACTIVATION_FNS[activation](pre)
+  if activation in GATED:
+    return act * up
+  return act
 
 
 def _expert_init(base: Callable, num_experts: int, mode: str) -> Callable:
@@ -45,16 +75,26 @@ def _expert_init(base: Callable, num_experts: int, mode: str) -> Callable:
   return init
 
 
+def _dropout(v: Array, rate: float, key: Optional[Array]) -> Array:
+  if key is None:
+    return v
+  keep = jax.random.bernoulli(key, 1.0 - rate, v.shape)
+  return jnp.where(keep, v / (1.0 - rate), 0).astype(v.dtype)
+
+
 def mlp_experts(params: Mapping[str, Mapping[str, Array]], x: Array, *,
+                activation: str = "gelu",
                 dropout_rate: float = 0.0,
                 dropout_rng: Optional[Array] = None,
                 dtype: Any = jnp.float32) -> Array:
-  """E GELU MLPs `D -> H -> D`, one per expert.
+  """E MLPs `D -> H -> D`, one per expert.
 
   Args:
     params: `{"Dense_0": {"kernel": [E, D, H], "bias": [E, H]},
-      "Dense_1": {"kernel": [E, H, D], "bias": [E, D]}}`.
+      "Dense_1": {"kernel": [E, H, D], "bias": [E, D]}}`, plus `"Dense_up"`
+      (like `Dense_0`) for a gated activation; `Dense_1` may have no bias.
     x: `[E, N, D]` expert inputs (N = G*C buffer slots per expert).
+    activation: one of `ACTIVATIONS`.
     dropout_rate: dropout after the activation and after the output layer,
       applied when `dropout_rng` is given.
     dropout_rng: PRNG key, or None for no dropout (deterministic).
@@ -63,24 +103,23 @@ def mlp_experts(params: Mapping[str, Mapping[str, Array]], x: Array, *,
   Returns:
     `[E, N, D]`.
   """
-  w_in, b_in = params["Dense_0"]["kernel"], params["Dense_0"]["bias"]
-  w_out, b_out = params["Dense_1"]["kernel"], params["Dense_1"]["bias"]
   use_dropout = dropout_rng is not None and dropout_rate > 0
   keys = jax.random.split(dropout_rng, 2) if use_dropout else (None, None)
-
-  def dropout(v: Array, key: Optional[Array]) -> Array:
-    if key is None:
-      return v
-    keep = jax.random.bernoulli(key, 1.0 - dropout_rate, v.shape)
-    return jnp.where(keep, v / (1.0 - dropout_rate), 0).astype(v.dtype)
-
   x = x.astype(dtype)
-  h = jnp.einsum("end,edh->enh", x, w_in.astype(dtype))
-  h = nn.gelu(h + b_in[:, None].astype(dtype))
-  h = dropout(h, keys[0])
-  y = jnp.einsum("enh,ehd->end", h, w_out.astype(dtype))
-  y = y + b_out[:, None].astype(dtype)
-  return dropout(y, keys[1])
+
+  def dense_in(name: str) -> Array:
+    layer = params[name]
+    h = jnp.einsum("end,edh->enh", x, layer["kernel"].astype(dtype))
+    return h + layer["bias"][:, None].astype(dtype)
+
+  up = dense_in("Dense_up") if activation in GATED else None
+  h = hidden_activation(activation, dense_in("Dense_0"), up)
+  h = _dropout(h, dropout_rate, keys[0])
+  out = params["Dense_1"]
+  y = jnp.einsum("enh,ehd->end", h, out["kernel"].astype(dtype))
+  if "bias" in out:
+    y = y + out["bias"][:, None].astype(dtype)
+  return _dropout(y, dropout_rate, keys[1])
 
 
 class ExpertDense(nn.Module):
@@ -90,30 +129,37 @@ class ExpertDense(nn.Module):
   init_mode: str = "independent"
   kernel_init: Callable = nn.initializers.xavier_uniform()
   bias_init: Callable = nn.initializers.normal(stddev=1e-6)
+  use_bias: bool = True
 
   @nn.compact
   def __call__(self, in_features: int) -> dict[str, Array]:
     init = lambda base: _expert_init(base, self.num_experts, self.init_mode)
     e = self.num_experts
-    return {
-        "kernel": self.param("kernel", init(self.kernel_init),
-                             (e, in_features, self.features)),
-        "bias": self.param("bias", init(self.bias_init), (e, self.features)),
-    }
+    out = {"kernel": self.param("kernel", init(self.kernel_init),
+                                (e, in_features, self.features))}
+    if self.use_bias:
+      out["bias"] = self.param("bias", init(self.bias_init),
+                               (e, self.features))
+    return out
 
 
 class MlpExperts(nn.Module):
-  """E independent GELU MLPs `D -> H -> D` (ViT MLP block), one per expert.
+  """E independent MLPs `D -> H -> D` (ViT MLP block), one per expert.
 
   Attributes:
     num_experts: E.
     hidden_size: H.
+    activation: one of `ACTIVATIONS` ("gelu", as ViT; "swiglu" is gated).
+    output_bias: give each expert's output layer a bias (False when the MoE
+      layer adds one bias once, `MoeLayer.output_bias="once"`).
     dropout_rate: dropout after the activation and after the output layer.
     init_mode: "independent" (default) or "shared" (all experts start equal).
     kernel_init: per-expert kernel initializer (applied to `[D, H]`/`[H, D]`).
   """
   num_experts: int
   hidden_size: int
+  activation: str = "gelu"
+  output_bias: bool = True
   dropout_rate: float = 0.0
   init_mode: str = "independent"
   kernel_init: Callable = nn.initializers.xavier_uniform()
@@ -127,6 +173,7 @@ class MlpExperts(nn.Module):
             f"must be positive, got {self.hidden_size}")
     require(0.0 <= self.dropout_rate < 1.0, "dropout_rate",
             f"must be in [0, 1), got {self.dropout_rate}")
+    check_activation(self.activation, "activation")
     super().__post_init__()
 
   @nn.compact
@@ -136,13 +183,44 @@ class MlpExperts(nn.Module):
     if e != self.num_experts:
       raise ValueError(f"expert inputs have {e} experts, the module has "
                        f"{self.num_experts}")
-    dense = lambda features, name: ExpertDense(
+    dense = lambda features, name, use_bias=True: ExpertDense(
         self.num_experts, features, self.init_mode, self.kernel_init,
-        self.bias_init, name=name)
-    params = {"Dense_0": dense(self.hidden_size, "Dense_0")(d),
-              "Dense_1": dense(d, "Dense_1")(self.hidden_size)}
+        self.bias_init, use_bias, name=name)
+    params = {"Dense_0": dense(self.hidden_size, "Dense_0")(d)}
+    if self.activation in GATED:
+      params["Dense_up"] = dense(self.hidden_size, "Dense_up")(d)
+    params["Dense_1"] = dense(d, "Dense_1", self.output_bias)(
+        self.hidden_size)
     rng = None
     if not deterministic and self.dropout_rate > 0:
       rng = self.make_rng("dropout")
-    return mlp_experts(params, x, dropout_rate=self.dropout_rate,
-                       dropout_rng=rng, dtype=self.dtype)
+    return mlp_experts(params, x, activation=self.activation,
+                       dropout_rate=self.dropout_rate, dropout_rng=rng,
+                       dtype=self.dtype)
+
+
+class DenseMlp(nn.Module):
+  """The dense ViT MLP `D -> H -> D` with dropout (a V-MoE's dense blocks,
+  the dense ViT, and an MoE layer's shared experts).
+
+  Parameters `Dense_0`, (`Dense_up`,) `Dense_1`, as the experts' without the
+  expert axis; `output_bias=False` drops `Dense_1`'s bias.
+  """
+  mlp_dim: int
+  dropout_rate: float = 0.0
+  dtype: Any = jnp.float32
+  activation: str = "gelu"
+  output_bias: bool = True
+
+  @nn.compact
+  def __call__(self, x: Array, *, deterministic: bool = True) -> Array:
+    d = x.shape[-1]
+    init = dict(kernel_init=nn.initializers.xavier_uniform(),
+                bias_init=nn.initializers.normal(stddev=1e-6), dtype=self.dtype)
+    pre = nn.Dense(self.mlp_dim, name="Dense_0", **init)(x)
+    up = (nn.Dense(self.mlp_dim, name="Dense_up", **init)(x)
+          if self.activation in GATED else None)
+    x = hidden_activation(self.activation, pre, up)
+    x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
+    x = nn.Dense(d, name="Dense_1", use_bias=self.output_bias, **init)(x)
+    return nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)

@@ -18,7 +18,7 @@ from vmoe_ext.moe.capacity import ROUNDINGS, compute_capacity
 from vmoe_ext.moe.dispatch import DISPATCHERS, make_dispatch_plan
 from vmoe_ext.moe.contract import (Assignment, LayerRecord, Metrics, Router,
                                    RoutingContext)
-from vmoe_ext.moe.experts import MlpExperts
+from vmoe_ext.moe.experts import DenseMlp, MlpExperts, check_activation
 
 Array = jax.Array
 
@@ -38,6 +38,7 @@ def group_tokens(x: Array, group_size: Optional[int]) -> Array:
 
 DISPATCH_DTYPES = {None: None, "float32": jnp.float32,
                    "bfloat16": jnp.bfloat16}
+OUTPUT_BIASES = ("experts", "once")
 
 
 class MoeLayer(nn.Module):
@@ -62,6 +63,18 @@ class MoeLayer(nn.Module):
     dispatch_dtype: None (the routing's float32) or "bfloat16": dtype of the
       dispatch/combine weights and of the token contraction (vmoe's configs
       use bfloat16; its SoftMoE always does).
+    shared_experts: N_s, experts every token goes through with weight 1
+      (DeepSeekMoE, CMoE), added to the routed output; held together as one
+      dense MLP `SharedMlp` of width `N_s * hidden_size`, outside routing,
+      capacity and dropping. 0: none.
+    output_bias: "experts" (vmoe: each expert's output layer has a bias,
+      weighted by the expert's gate like the rest of its output) or "once"
+      (the experts' output layers, shared ones included, have no bias; the
+      layer adds one bias `[D]` to every token's output, dropped tokens
+      included, as the dense MLP it replaces does; carving needs it so that
+      the carved layer equals the dense one).
+    activation: the experts' MLP activation (`vmoe_ext.moe.experts`), set by
+      the model from its `mlp_activation`.
   """
   router: Router
   hidden_size: int
@@ -74,6 +87,9 @@ class MoeLayer(nn.Module):
   dropout_rate: float = 0.0
   expert_init: str = "independent"
   dispatch_dtype: Optional[str] = None
+  shared_experts: int = 0
+  output_bias: str = "experts"
+  activation: str = "gelu"
   dtype: Any = jnp.float32
 
   def __post_init__(self):
@@ -87,6 +103,13 @@ class MoeLayer(nn.Module):
     require(self.dispatch_dtype in DISPATCH_DTYPES, "moe.dispatch_dtype",
             f"must be one of {list(DISPATCH_DTYPES)}, got "
             f"{self.dispatch_dtype!r}")
+    require(isinstance(self.shared_experts, int)
+            and not isinstance(self.shared_experts, bool)
+            and self.shared_experts >= 0, "moe.shared_experts",
+            f"must be an integer >= 0, got {self.shared_experts!r}")
+    require(self.output_bias in OUTPUT_BIASES, "moe.output_bias",
+            f"must be one of {OUTPUT_BIASES}, got {self.output_bias!r}")
+    check_activation(self.activation, "mlp_activation")
     super().__post_init__()
 
   @property
@@ -144,13 +167,23 @@ class MoeLayer(nn.Module):
                               batch_priority=self.batch_priority, dtype=dtype)
     tokens = xg if out.expert_inputs is None else out.expert_inputs
     expert_inputs = plan.dispatcher.dispatch(tokens.astype(dtype or self.dtype))
+    per_expert_bias = self.output_bias == "experts"
     expert_outputs = MlpExperts(
         num_experts=e, hidden_size=self.hidden_size,
+        activation=self.activation, output_bias=per_expert_bias,
         dropout_rate=self.dropout_rate, init_mode=self.expert_init,
         dtype=self.dtype, name="Mlp")(expert_inputs,
                                       deterministic=deterministic)
     y = plan.dispatcher.combine(expert_outputs.astype(dtype or self.dtype))
-    y = y.reshape(b, t, d)
+    y = y.reshape(b, t, d).astype(x.dtype)
+    if self.shared_experts:
+      y = y + DenseMlp(self.shared_experts * self.hidden_size,
+                       self.dropout_rate, self.dtype, self.activation,
+                       output_bias=per_expert_bias, name="SharedMlp")(
+                           x, deterministic=deterministic).astype(x.dtype)
+    if not per_expert_bias:
+      y = y + self.param("bias", nn.initializers.normal(stddev=1e-6),
+                         (d,)).astype(x.dtype)
 
     mask = routing.expert_mask(e)
     mask_f = mask.astype(jnp.float32)
@@ -167,6 +200,6 @@ class MoeLayer(nn.Module):
       self.sow("intermediates", "expert_mask", mask.reshape(b, t, e))
       self.sow("intermediates", "selected_experts", assignment.expert_indices)
       self.sow("intermediates", "moe_input", x)
-    return (y.astype(x.dtype), metrics,
+    return (y, metrics,
             LayerRecord(assignment, out.forward, ctx.layer_index,
                         num_experts=e, width=d))

@@ -16,6 +16,7 @@ ROUTERS = Registry("router", {
     "acmoe": "vmoe_ext.routers.acmoe:ACMoERouter",
     "symphony": "vmoe_ext.routers.symphony:SymphonyRouter",
     "symphony_soft": "vmoe_ext.routers.symphony_soft:SymphonySoftRouter",
+    "cmoe": "vmoe_ext.routers.cmoe:CMoERouter",
 })
 
 

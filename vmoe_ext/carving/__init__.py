@@ -1,0 +1,14 @@
+"""CMoE: carving a Mixture-of-Experts out of a trained dense ViT (DESIGN §4.8).
+
+* `profiling` — hidden states, activation markers and rates of a dense MLP;
+* `grouping` — the shared expert, balanced K-means of the routed experts by
+  an exact linear assignment, representative neurons;
+* `layer` — one MLP carved into an MoE layer's params (and the random-split
+  baseline);
+* `spec` — the `carve` config section and the carved model config;
+* `model` — a whole ViT carved block by block, each calibrated on the
+  already carved blocks' outputs;
+* `mode` — the binary's carve mode (checkpoint in, checkpoint out).
+
+The router of a carved layer is `vmoe_ext.routers.cmoe`.
+"""
