@@ -8,7 +8,9 @@ on MNIST-5k, then the routing analysis and a short FGSM/PGD/SPSA and
 corruption evaluation) into `./runs/default` and prints the report. Every run
 ends with the routing analysis of the test split (docs/robustness.md). A
 config whose `robustness.checkpoint_dir` is set (`configs/robustness.py`) only
-evaluates that training workdir's newest checkpoint. Outputs in WORKDIR:
+evaluates that training workdir's newest checkpoint; one whose `carve` section
+is set (`configs/carve.py`) carves a dense ViT checkpoint into a V-MoE
+checkpoint (`vmoe_ext.carving.mode`). Outputs in WORKDIR:
 `metrics.jsonl`, `report.md`, PNG plots, `checkpoints/`, `tensorboard/`. A
 workdir holding a checkpoint of the same config resumes it.
 
@@ -129,6 +131,11 @@ def run(config, workdir: str) -> str:
   from vmoe_ext.train.workdir import check_workdir
 
   validate_config(config)  # Everything, before any data or compilation.
+  if config.get("carve") is not None:  # Carve mode (vmoe_ext.carving.mode).
+    from vmoe_ext.carving.mode import carve_checkpoint
+    check_workdir(workdir)
+    carve_checkpoint(config, workdir)
+    return os.path.join(workdir, "report.md")
   robustness = config.get("robustness")
   if robustness is not None:
     robustness_config(robustness)  # Also its evaluation datasets.

@@ -8,6 +8,7 @@
     train       steps, logging, evaluation and checkpoint cadence
     robustness  attacks, eps sweep, corruptions, evaluation datasets (optional)
     init        initialise from another run's checkpoint (optional)
+    carve       carve mode: a dense ViT checkpoint into a V-MoE (optional)
 
 The model's fields are read from the classes that define them, at call time,
 so a new router, stream or MoE field needs no edit here; their range checks
@@ -299,6 +300,24 @@ INIT = Section({
                  doc="(target_regex, source_replacement or None) pairs"),
 }, default=None, nullable=True, check=_check_init)
 
+# ----------------------------------------------------------------------- carve
+
+
+def _carve_fields(value: Mapping[str, Any]) -> dict[str, Spec]:
+  del value
+  from vmoe_ext.carving.spec import CarveSpec
+  return dataclass_fields(CarveSpec)
+
+
+def _check_carve(value: dict[str, Any]) -> None:
+  """Ranges that need no other section (the rest: `CarveSpec.check`)."""
+  from vmoe_ext.carving.spec import CarveSpec
+  CarveSpec.from_config(value)
+
+
+CARVE = Section(_carve_fields, default=None, nullable=True, check=_check_carve,
+                doc="carve mode: a dense ViT checkpoint into a V-MoE (CMoE)")
+
 # ------------------------------------------------------------------------ root
 
 CONFIG = Section({
@@ -309,8 +328,9 @@ CONFIG = Section({
     "train": TRAIN,
     "robustness": ROBUSTNESS,
     "init": INIT,
+    "carve": CARVE,
 })
 SECTIONS = tuple(CONFIG.fields_of({}))
 
-__all__ = ["ATTACK", "CONFIG", "DATA", "INIT", "MODEL", "OPTIMIZER",
+__all__ = ["ATTACK", "CARVE", "CONFIG", "DATA", "INIT", "MODEL", "OPTIMIZER",
            "ROBUSTNESS", "SECTIONS", "SEED", "TRAIN", "registered"]
