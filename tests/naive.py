@@ -12,12 +12,58 @@ def gelu(x):
   return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
 
 
-def expert_mlp(params, e, v):
-  """Expert e of `MlpExperts` params applied to one token `v[D]`."""
+def silu(x):
+  return x / (1 + np.exp(-x))
+
+
+def relu(x):
+  return np.maximum(x, 0)
+
+
+def mlp(params, v, activation="gelu", expert=None):
+  """A dense MLP's params (or expert `expert` of `MlpExperts` params) on one
+  token `v[D]`, unit by unit: `sum_i h_i W_1[i] (+ b_1)`."""
   p = {f"{layer}/{k}": np.asarray(a, np.float64)
        for layer, sub in params.items() for k, a in sub.items()}
-  h = gelu(v @ p["Dense_0/kernel"][e] + p["Dense_0/bias"][e])
-  return h @ p["Dense_1/kernel"][e] + p["Dense_1/bias"][e]
+  if expert is not None:
+    p = {k: a[expert] for k, a in p.items()}
+  v = np.asarray(v, np.float64)
+  out = p.get("Dense_1/bias", np.zeros(p["Dense_1/kernel"].shape[1])).copy()
+  for i in range(p["Dense_0/kernel"].shape[1]):
+    pre = v @ p["Dense_0/kernel"][:, i] + p["Dense_0/bias"][i]
+    if activation == "gelu":
+      h = gelu(pre)
+    elif activation == "relu":
+      h = relu(pre)
+    else:  # swiglu
+      h = silu(pre) * (v @ p["Dense_up/kernel"][:, i] + p["Dense_up/bias"][i])
+    out += h * p["Dense_1/kernel"][i]
+  return out
+
+
+def expert_mlp(params, e, v, activation="gelu"):
+  """Expert e of `MlpExperts` params applied to one token `v[D]`."""
+  return mlp(params, v, activation, expert=e)
+
+
+def cmoe_route(x, kernel, up_kernel, scale, bias, k, activation):
+  """CMoE routing of tokens `x` `[N, D]`, token by token: the K experts of
+  largest `softmax(|act(x W)|) + b` (lower index first on ties) and their
+  weights `1 + s_e u_e`."""
+  acts = {"gelu": gelu, "relu": relu, "swiglu": silu}
+  indices, weights = [], []
+  for v in np.asarray(x, np.float64):
+    pre = v @ np.asarray(kernel, np.float64)
+    h = acts[activation](pre)
+    if activation == "swiglu":
+      h = h * (v @ np.asarray(up_kernel, np.float64))
+    a = np.abs(h)
+    s = np.exp(a - a.max()) / np.exp(a - a.max()).sum()
+    biased = s + bias
+    order = sorted(range(len(s)), key=lambda e: (-biased[e], e))[:k]
+    indices.append(order)
+    weights.append([1 + s[e] * scale[e] for e in order])
+  return np.array(indices), np.array(weights)
 
 
 def token_choice_kept(idx, valid, gates, num_experts, capacity,

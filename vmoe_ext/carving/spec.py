@@ -22,7 +22,8 @@ from typing import Any, Mapping, Optional, Sequence
 
 from vmoe_ext.carving.layer import check_sizes
 from vmoe_ext.carving.grouping import DISTANCES
-from vmoe_ext.errors import field_scope, require
+from vmoe_ext.config.schema import renamed_scope
+from vmoe_ext.errors import require
 from vmoe_ext.models.placement import resolve_moe_layers
 from vmoe_ext.moe.experts import ACTIVATIONS
 
@@ -93,7 +94,7 @@ class CarveSpec:
 
   def blocks(self, num_layers: int) -> tuple[int, ...]:
     """The carved block indices (errors name `carve.*`)."""
-    with field_scope("carve"):
+    with renamed_scope("moe", "carve"):
       return resolve_moe_layers(num_layers, self.layers, self.every,
                                 self.last)
 
