@@ -44,17 +44,18 @@ def make_step(module, x):
   The loss value is returned too, so that no forward computation is dead code
   (with a linear loss the last forward matmul is otherwise not needed).
   """
-  variables = module.init(jax.random.key(0), *_call_args(module, x))
+  variables = dict(module.init(jax.random.key(0), *_call_args(module, x)))
+  params = variables.pop("params")
+  state = variables  # Non-parameter collections (router state), read only.
   cot = jax.random.normal(jax.random.key(1), x.shape, x.dtype)
 
   def loss(params, x):
-    out = module.apply({"params": params}, *_call_args(module, x))
+    out = module.apply({"params": params, **state}, *_call_args(module, x))
     y = out[0] if isinstance(out, tuple) else out
     return jnp.sum(y * cot)
 
   grad_fn = jax.value_and_grad(loss, argnums=(0, 1))
   step = jax.jit(grad_fn)
-  params = variables["params"]
   return (lambda: step(params, x)), (grad_fn, params, x)
 
 
