@@ -26,7 +26,8 @@ def get_config(arg=None):
   activations = [p for p in parts if p in ACTIVATIONS]
   unknown = [p for p in parts if p not in ("active", "plain") + ACTIVATIONS]
   if unknown or len(kinds) > 1 or len(activations) > 1:
-    raise ValueError(f"configs/vit_dense.py: bad arg {arg!r}; expected "
+    bad = unknown[0] if unknown else arg
+    raise ValueError(f"configs/vit_dense.py: unknown arg {bad!r}; expected "
                      "'active' or 'plain', optionally with one of "
                      f"{ACTIVATIONS} (e.g. 'plain,swiglu')")
   config = load_config("default")
