@@ -139,21 +139,28 @@ def carve_checkpoint(config: ml_collections.ConfigDict,
     raise ConfigError("carve.checkpoint_dir", e.reason) from e
 
   blocks = spec.blocks(config.model.num_layers)
-  bar = progress_bar(len(blocks), f"carving {spec.name()}")
+  batches = -(-len(images) // spec.batch_size)
+  profiling = progress_bar(
+      0 if spec.method == "random" else len(blocks) * batches,
+      "profiling", position=0)
+  carving = progress_bar(len(blocks), f"carving {spec.name()}", position=1)
 
   def progress(block: int, layer: Any, seconds: float) -> None:
-    bar.update(1)
+    carving.update(1)
     cost = "" if layer.cost is None else f", assignment cost {layer.cost:.4g}"
-    progress_line(bar, f"carved block {block} in {seconds:.2f} s{cost}")
+    progress_line(carving, f"carved block {block} in {seconds:.2f} s{cost}")
 
   try:
     result = carve_vit(config.model.to_dict(), source.params, images, spec,
-                       progress=progress)
+                       progress=progress,
+                       on_batch=lambda: profiling.update(1))
   finally:
-    bar.close()
-  _save(result, target, workdir)
-  return _evaluate_and_report(config, target, result, source, step, workdir,
-                              datasets["test"], start)
+    profiling.close()
+    carving.close()
+  with WorkdirLock(workdir):
+    _save(result, target, workdir)
+    return _evaluate_and_report(config, target, result, source, step,
+                                workdir, datasets["test"], start)
 
 
 def _save(result: CarveResult, target: ml_collections.ConfigDict,
@@ -164,16 +171,15 @@ def _save(result: CarveResult, target: ml_collections.ConfigDict,
                             jax.random.split(jax.random.key(target.seed))[1])
   train = load_dataset(target.data)["train"]
   data = TrainIterator(train, target.data.batch_size, target.seed).get_state()
-  with WorkdirLock(workdir):
-    manager = CheckpointManager(
-        os.path.join(workdir, "checkpoints"), save_every=1,
-        keep=target.train.keep_checkpoints,
-        config_fingerprint=config_fingerprint(target, result.params))
-    try:
-      manager.save(0, flax.serialization.to_state_dict(state),
-                   {"data": data, "carved": True}, force=True)
-    finally:
-      manager.close()
+  manager = CheckpointManager(
+      os.path.join(workdir, "checkpoints"), save_every=1,
+      keep=target.train.keep_checkpoints,
+      config_fingerprint=config_fingerprint(target, result.params))
+  try:
+    manager.save(0, flax.serialization.to_state_dict(state),
+                 {"data": data, "carved": True}, force=True)
+  finally:
+    manager.close()
 
 
 def _evaluate_and_report(config, target, result: CarveResult, source, step,
@@ -190,7 +196,7 @@ def _evaluate_and_report(config, target, result: CarveResult, source, step,
   final = listify(final)
   final["carve_seconds"] = result.total_seconds
   rows = []
-  with WorkdirLock(workdir), MetricWriter(workdir) as writer:
+  with MetricWriter(workdir) as writer:
     writer.truncate(keep_lines=0)
     for block, layer in result.layers.items():
       line = {"block": block, "seconds": result.seconds[block],

@@ -56,9 +56,11 @@ def _host(tree: Any) -> Any:
 
 
 def ffn_inputs(model_config: Mapping[str, Any], params: Params,
-               images: np.ndarray, block: int, batch_size: int) -> np.ndarray:
+               images: np.ndarray, block: int, batch_size: int,
+               on_batch: Optional[Callable[[], None]] = None) -> np.ndarray:
   """`[N*T, D]` the inputs of block `block`'s MLP (its `LayerNorm_1`
-  output) on `images` `[N, H, W, C]`, in batches of `batch_size`."""
+  output) on `images` `[N, H, W, C]`, in batches of `batch_size`
+  (`on_batch()` after each)."""
   model = build_model(model_config)
   path = (f"encoderblock_{block}", "LayerNorm_1")
 
@@ -72,8 +74,11 @@ def ffn_inputs(model_config: Mapping[str, Any], params: Params,
     out = state["intermediates"][path[0]][path[1]]["__call__"][0]
     return out.reshape(-1, out.shape[-1])
 
-  chunks = [np.asarray(capture(params, images[i:i + batch_size]))
-            for i in range(0, len(images), batch_size)]
+  chunks = []
+  for i in range(0, len(images), batch_size):
+    chunks.append(np.asarray(capture(params, images[i:i + batch_size])))
+    if on_batch is not None:
+      on_batch()
   return np.concatenate(chunks).astype(np.float64)
 
 
@@ -89,7 +94,8 @@ def _with_blocks(model: Mapping[str, Any], spec: CarveSpec,
 def carve_vit(model: Mapping[str, Any], params: Params, images: np.ndarray,
               spec: CarveSpec, *,
               progress: Optional[Callable[[int, CarvedLayer, float], None]]
-              = None) -> CarveResult:
+              = None,
+              on_batch: Optional[Callable[[], None]] = None) -> CarveResult:
   """Carves the dense ViT `model` with `params` (module doc).
 
   Args:
@@ -99,6 +105,7 @@ def carve_vit(model: Mapping[str, Any], params: Params, images: np.ndarray,
       random split).
     spec: the carve section.
     progress: called after each block with `(block, layer, seconds)`.
+    on_batch: called after each calibration forward pass (profiling).
   """
   start = time.perf_counter()
   params = _host(params)
@@ -116,7 +123,7 @@ def carve_vit(model: Mapping[str, Any], params: Params, images: np.ndarray,
                            num_shared=spec.num_shared, seed=spec.seed + i)
     else:
       x = ffn_inputs(_with_blocks(model, spec, tuple(carved)), params,
-                     images, i, spec.batch_size)
+                     images, i, spec.batch_size, on_batch)
       layer = carve_mlp(mlp, x, num_experts=spec.num_experts,
                         num_shared=spec.num_shared, activation=activation,
                         activation_markers_k=spec.activation_markers,
