@@ -508,3 +508,82 @@ def test_bad_model_activation_names_the_field():
   with pytest.raises(ConfigError) as e:
     build_model({**DENSE, "mlp_activation": "tanh"})
   assert e.value.field == "model.mlp_activation"
+
+
+# -------------------------------------------------------------- composability
+
+CMOE = {"name": "cmoe", "num_selected": 2, "bias_update_rate": 0.01}
+
+
+@pytest.mark.parametrize("router,stream,shared", [
+    ({"name": "symphony", "base": CMOE}, None, 1),
+    ({"name": "acmoe", "base": CMOE}, {"name": "momentum"}, 1),
+    (CMOE, {"name": "robust_momentum"}, 2),
+    ({"name": "soft", "num_slots": 2}, None, 1),
+])
+def test_cmoe_and_shared_experts_compose_under_jit_and_grad(router, stream,
+                                                             shared):
+  """The CMoE router under Symphony / ACMoE, with momentum streams, and
+  shared experts on SoftMoE: a training forward and backward under jit; the
+  bias (where there is one) moves, and the shared experts get gradients."""
+  soft = router["name"] == "soft"
+  config = dict(name="soft_moe_vit" if soft else "vit_moe", num_classes=3,
+                patch_size=(4, 4), hidden_size=8, num_layers=3, num_heads=2,
+                mlp_dim=8, stream=stream,
+                moe=dict(layers=(1, 2), num_experts=4, capacity_factor=2.0,
+                         shared_experts=shared, output_bias="once",
+                         router=router))
+  model = build_model(config)
+  images = jax.random.uniform(jax.random.key(0), (4, 8, 8, 1))
+  variables = model.init(jax.random.key(1), images)
+  params = variables.pop("params")
+  params["head"]["kernel"] = jax.random.normal(jax.random.key(4),
+                                               params["head"]["kernel"].shape)
+
+  @jax.jit
+  def step(params, state):
+    def loss(p):
+      (logits, metrics), new = model.apply(
+          {"params": p, **state}, images, deterministic=False,
+          update_state=True, mutable=["router_state"],
+          rngs={"gating": jax.random.key(2), "dropout": jax.random.key(3)})
+      return jnp.sum(logits ** 2) + metrics["auxiliary_loss"], new
+    return jax.grad(loss, has_aux=True)(params)
+
+  grads, new = step(params, variables)
+  shared_grad = grads["encoderblock_2"]["Moe"]["SharedMlp"]["Dense_0"][
+      "kernel"]
+  assert np.abs(np.asarray(shared_grad)).sum() > 0
+  biases = [np.asarray(v) for path, v in flax_paths(new) if "bias" in path]
+  if soft:
+    assert not biases
+  else:
+    assert biases and any(np.abs(b).sum() > 0 for b in biases)
+
+
+def flax_paths(tree):
+  from flax.traverse_util import flatten_dict
+  return flatten_dict(dict(tree), sep="/").items()
+
+
+def test_bias_update_on_eight_data_parallel_devices_equals_one():
+  """The balancing counts are reduced over the data-parallel axis: a batch
+  split over 8 CPU devices moves the bias as the whole batch on one."""
+  import json
+  import os
+  import subprocess
+  import sys
+  from test_symphony import _SHARDED
+  env = {**os.environ, "XLA_FLAGS":
+         "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+  out = subprocess.run([sys.executable, "-c", _SHARDED, json.dumps(CMOE)],
+                       env=env, capture_output=True, text=True, timeout=300,
+                       check=False)
+  assert out.returncode == 0, out.stderr[-3000:]
+  result = json.loads(out.stdout.strip().splitlines()[-1])
+  one_logits, *one_bias = result["one"]
+  many_logits, *many_bias = result["many"]
+  np.testing.assert_allclose(many_logits, one_logits, rtol=1e-5, atol=1e-6)
+  assert any(np.abs(np.asarray(b)).sum() > 0 for b in one_bias)
+  for a, b in zip(many_bias, one_bias):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
