@@ -89,6 +89,13 @@ def workdir_file(name: str, sub: str) -> Case:
   return Case(name, (), "--workdir", setup)
 
 
+def carve(override: str, *fields: str) -> Case:
+  """`--config=configs/carve.py --config.OVERRIDE` (the carve mode)."""
+  return Case(f"carve:{override}", ("--config=configs/carve.py",
+                                     f"--config.{override}"),
+              fields if len(fields) > 1 else fields[0])
+
+
 def valid(override: str) -> Case:
   return Case(f"valid:{override}", (f"--config.{override}",
                                     "--config.model.num_heads=0"),
@@ -263,6 +270,22 @@ CASES: list[Case] = [
     config_file("init-workdir-missing", "from vmoe_ext.train.initialization "
                 "import identity_rules\nc.init = dict(workdir='/nonexistent', "
                 "rules=identity_rules())", "init.workdir"),
+    # MoE additions and the carve mode (configs/carve.py: the dense ViT of
+    # vit_dense.py:plain, mlp_dim 128); all fail before data or compilation
+    flag("model.mlp_activation=tanh"),
+    flag("model.moe.shared_experts=-1"),
+    flag("model.moe.output_bias=twice"),
+    carve("carve.num_experts=5", "carve.num_experts"),  # 128 % 5 != 0
+    carve("carve.num_shared=8", "carve.num_shared"),
+    carve("carve.num_activated=8", "carve.num_activated"),
+    carve("carve.activation_markers=0", "carve.activation_markers"),
+    carve("carve.activation_markers=129", "carve.activation_markers"),
+    carve("carve.num_calibration=0", "carve.num_calibration"),
+    carve("carve.checkpoint_dir=/nonexistent", "carve.checkpoint_dir"),
+    carve("carve.distance=cosine", "carve.distance"),
+    carve("carve.method=moefication", "carve.method"),
+    carve("model.mlp_activation=tanh", "model.mlp_activation"),
+    carve("model.name=vit_moe", "model.name", "model.moe"),
     # overrides that must parse (documented fields absent from tiny.py or
     # whose default is None); each then fails on model.num_heads=0
     valid("robustness.num_examples=200"),
@@ -286,6 +309,9 @@ CASES: list[Case] = [
     valid("model.stream.name=plain"),
     valid("optimizer.end_learning_rate=1e-5"),
     valid("optimizer.b1=0.8"),
+    valid("model.mlp_activation=swiglu"),
+    valid("model.moe.shared_experts=1"),
+    valid("model.moe.output_bias=once"),
 ]
 
 
