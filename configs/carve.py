@@ -24,7 +24,10 @@ ARG, comma-separated:
   evaluate       (step 3) the carved model with `robustness.checkpoint_dir` =
                  the carve workdir (`--config.robustness.checkpoint_dir`);
   finetune       (step 4) the carved model trained for 300 steps from the
-                 carve workdir's checkpoint (`--config.init.workdir`).
+                 carve workdir's checkpoint (`--config.init.workdir`);
+  freeze_router  (with finetune) the routers are not trained (`u` and the
+                 router weights frozen, `optimizer.frozen`), as the authors'
+                 LoRA fine-tune leaves them; the bias still balances.
 
 Every block of the 4-block ViT is carved (`carve.every=1`); the carved layers
 are dropless (`carve.capacity_factor=None`), one image per routing group.
@@ -42,6 +45,7 @@ from vmoe_ext.train.config_files import load_config
 from vmoe_ext.train.initialization import identity_rules
 
 FLAGS = ("random", "l1", "swiglu", "relu")
+FREEZE = "freeze_router"
 MODES = ("evaluate", "finetune")
 FINETUNE_STEPS = 300
 
@@ -51,13 +55,15 @@ def get_config(arg=None):
   sizes = [p for p in parts if re.fullmatch(r"S\d+A\d+E\d+", p)]
   flags = [p for p in parts if p in FLAGS]
   modes = [p for p in parts if p in MODES]
-  unknown = [p for p in parts if p not in sizes + flags + modes]
+  freeze = FREEZE in parts
+  unknown = [p for p in parts if p not in sizes + flags + modes + [FREEZE]]
   if unknown or len(sizes) > 1 or len(modes) > 1 or (
-      "swiglu" in flags and "relu" in flags):
+      "swiglu" in flags and "relu" in flags) or (
+          freeze and modes != ["finetune"]):
     raise ValueError(f"configs/carve.py: bad arg {arg!r}; expected "
                      "S{s}A{a}E{e}, any of " + ", ".join(FLAGS[:2]) +
                      ", one of swiglu/relu, and at most one of "
-                     + "/".join(MODES))
+                     + "/".join(MODES) + f" ({FREEZE} with finetune only)")
   s, a, e = map(int, re.findall(r"\d+", sizes[0] if sizes else "S1A1E8"))
   activation = next((f for f in flags if f in ("swiglu", "relu")), None)
   config = load_config("vit_dense", "plain" + (f",{activation}"
@@ -90,4 +96,6 @@ def get_config(arg=None):
   config.optimizer.learning_rate = 1e-3
   config.train.eval_every = 100
   config.train.checkpoint_every = 100
+  if freeze:
+    config.optimizer.frozen = (r"encoderblock_\d+/Moe/router/.*",)
   return config

@@ -121,6 +121,7 @@ def test_fine_tune_starts_from_the_carved_params_with_balancing(carved,
   tune = _dense_config()
   tune.model = ml_collections.ConfigDict(_carved_model(config))
   tune.init = dict(workdir=workdir, step=0, rules=identity_rules())
+  tune.optimizer.frozen = (r"encoderblock_1/Moe/router/.*",)
   run = loop.setup(tune, str(tmp_path / "tune"))
   run.checkpoints.close()
   saved = _params(workdir)
@@ -131,6 +132,10 @@ def test_fine_tune_starts_from_the_carved_params_with_balancing(carved,
   resumed = loop.setup(tune, str(tmp_path / "tune"))
   assert resumed.restore() == 4
   resumed.checkpoints.close()
+  tuned = ckpt_params.flatten(jax.device_get(resumed.state.params))
+  for path, value in tuned.items():  # The frozen router did not move.
+    same = np.array_equal(value, saved[path])
+    assert same == path.startswith("encoderblock_1/Moe/router/"), path
   biases = [np.asarray(b["Moe"]["router"]["bias"]) for b in
             resumed.state.collections["router_state"].values()]
   assert any(np.any(b != 0) for b in biases)  # Balancing moved the bias,
@@ -183,6 +188,7 @@ def test_bad_carve_input_names_the_field(carved, tmp_path, case):
 
 @pytest.mark.parametrize("arg", ["", "S2A2E8,random", "S1A3E8,l1,swiglu",
                                  "S1A1E8,relu", "S1A1E8,evaluate",
+                                 "S1A1E8,finetune,freeze_router",
                                  "S2A2E8,swiglu,finetune"])
 def test_carve_configs_validate(arg):
   config = load_config("carve", arg)

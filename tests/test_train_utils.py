@@ -172,6 +172,27 @@ def test_global_norm_clipping_against_hand_computed_norm():
     chex.assert_trees_all_close(u, jax.tree.map(lambda g: -g, grads))
 
 
+def test_frozen_params_get_no_update_and_leave_the_clip_norm():
+  """`frozen`: the router's grad is zeroed before clipping (the global norm
+  is then that of the rest, 5) and its update, decay included, is 0."""
+  grads = {"blk": {"router": {"kernel": jnp.array([[12.0]])},
+                   "Mlp": {"kernel": jnp.array([[3.0, 4.0]])}}}
+  params = jax.tree.map(jnp.ones_like, grads)
+  cfg = dict(name="sgd", learning_rate=1.0, decay="constant",
+             clip_global_norm=1.0, weight_decay=0.5,
+             frozen=(".*/router/.*",))
+  tx = opt_lib.make_optimizer(cfg)
+  u, _ = tx.update(grads, tx.init(params), params)
+  chex.assert_trees_all_close(
+      u, {"blk": {"router": {"kernel": jnp.array([[0.0]])},
+                  "Mlp": {"kernel": jnp.array([[-3 / 5 - 0.5,
+                                                -4 / 5 - 0.5]])}}},
+      rtol=1e-6)
+  with pytest.raises(ConfigError, match=r"optimizer\.frozen\[1\]"):
+    opt_lib.make_optimizer({**cfg, "frozen": (".*/Mlp/.*", "nothing")}
+                           ).init(params)
+
+
 @pytest.mark.parametrize("nesterov", [False, True])
 def test_sgd_momentum_and_decoupled_decay(nesterov):
   params = {"kernel": jnp.array([[1.0, -1.0]])}
@@ -215,6 +236,7 @@ BAD_CONFIGS = [
     (dict(name="sgd", momentum=1.0), "optimizer.momentum"),
     (dict(name="sgd", nesterov=True), "optimizer.nesterov"),
     (dict(learning_rte=0.1), "optimizer.learning_rte"),  # typo
+    (dict(frozen=("(",)), "optimizer.frozen[0]"),
 ]
 
 

@@ -193,6 +193,7 @@ OPTIMIZER = Section({
     "weight_decay": Field("float", 0.0),
     "weight_decay_mask": Field("str", "no_bias_norm"),
     "clip_global_norm": Field("float", None, nullable=True),
+    "frozen": Seq(Field("str"), (), doc="regexes of params never updated"),
 }, doc="types only; `vmoe_ext.train.optimizer` checks ranges and "
        "combinations (it validates against this section itself)")
 

@@ -21,6 +21,13 @@ has these fields; anything else is an error (catches typos):
                       (default; see `weight_decay_mask`).
   clip_global_norm:   clip gradients to this global L2 norm before anything
                       else; None or 0 disables (default None).
+  frozen:             regexes (full match on "/"-joined param paths, e.g.
+                      ".*/Moe/router/.*") of params that are never updated:
+                      their gradients are zeroed before clipping (so they
+                      do not count in the global norm) and their updates,
+                      weight decay included, are zero (default ()). A regex
+                      that matches no param is an error when the optimizer
+                      is initialised.
 
 The update applied to a parameter `w` at step `s` (optax counts the first
 update as step 0) is
@@ -38,6 +45,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 from typing import Any, Callable, Mapping, Optional
 
 import jax
@@ -46,7 +54,7 @@ import optax
 
 from vmoe_ext.config import validate_section
 from vmoe_ext.config.sections import OPTIMIZER as OPTIMIZER_SECTION
-from vmoe_ext.errors import require
+from vmoe_ext.errors import ConfigError, require
 from vmoe_ext.registry import Registry
 
 # Config name -> the function `(validated config) -> the optimizer's update
@@ -174,6 +182,14 @@ def _validated(config: Any) -> dict[str, Any]:
           _field("clip_global_norm"),
           f"must be None or a finite number >= 0, got {clip!r}")
   out["clip_global_norm"] = float(clip) if clip else None
+  frozen = tuple(cfg.get("frozen") or ())
+  for i, pattern in enumerate(frozen):
+    try:
+      re.compile(pattern)
+    except (re.error, TypeError) as e:
+      raise ConfigError(_field(f"frozen[{i}]"),
+                        f"invalid regex {pattern!r}: {e}") from e
+  out["frozen"] = frozen
   return out
 
 
@@ -222,13 +238,7 @@ def make_learning_rate(config: Any) -> optax.Schedule:
 
 
 def _leaf_name(path: tuple[Any, ...]) -> str:
-  if not path:
-    return ""
-  key = path[-1]
-  for attr in ("key", "name", "idx"):
-    if hasattr(key, attr):
-      return str(getattr(key, attr))
-  return str(key)
+  return _key_name(path[-1]) if path else ""
 
 
 def weight_decay_mask(params: Any, mode: str = "no_bias_norm") -> Any:
@@ -279,6 +289,8 @@ def make_optimizer(config: Any,
   schedule = _schedule(cfg["learning_rate"], cfg["end_learning_rate"],
                        cfg["warmup_steps"], cfg["total_steps"], cfg["decay"])
   chain = []
+  if cfg["frozen"]:
+    chain.append(freeze(cfg["frozen"]))
   if cfg["clip_global_norm"]:
     chain.append(optax.clip_by_global_norm(cfg["clip_global_norm"]))
   direction = OPTIMIZERS.get(cfg["name"])(cfg)
@@ -293,7 +305,46 @@ def make_optimizer(config: Any,
       mask = _mask_fn(mode)
     chain.append(optax.add_decayed_weights(cfg["weight_decay"], mask=mask))
   chain.append(optax.scale_by_learning_rate(schedule))
+  if cfg["frozen"]:
+    chain.append(freeze(cfg["frozen"]))
   return optax.chain(*chain)
+
+
+def frozen_mask(params: Any, patterns: tuple[str, ...]) -> Any:
+  """Boolean pytree: True where a param's "/"-joined path fully matches one
+  of `patterns`. Raises ConfigError("optimizer.frozen[i]") for a pattern
+  that matches no param."""
+  paths = jax.tree_util.tree_map_with_path(
+      lambda path, _: "/".join(_key_name(k) for k in path), params)
+  names = jax.tree.leaves(paths)
+  for i, pattern in enumerate(patterns):
+    require(any(re.fullmatch(pattern, n) for n in names),
+            _field(f"frozen[{i}]"), f"{pattern!r} matches no parameter")
+  return jax.tree.map(
+      lambda n: any(re.fullmatch(p, n) for p in patterns), paths)
+
+
+def freeze(patterns: tuple[str, ...]) -> optax.GradientTransformation:
+  """Zeroes the gradients/updates of the params matching `patterns`."""
+
+  def init(params):
+    frozen_mask(params, patterns)  # Errors now, before training.
+    return optax.EmptyState()
+
+  def update(updates, state, params=None):
+    del params
+    mask = frozen_mask(updates, patterns)
+    return jax.tree.map(lambda u, m: jnp.zeros_like(u) if m else u, updates,
+                        mask), state
+
+  return optax.GradientTransformation(init, update)
+
+
+def _key_name(key: Any) -> str:
+  for attr in ("key", "name", "idx"):
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
 
 
 def adam_direction(cfg: Mapping[str, Any]
@@ -315,5 +366,5 @@ def _mask_fn(mode: str) -> Callable[[Any], Any]:
 
 
 __all__ = ["DECAYS", "MASKS", "NAMES", "NO_DECAY_NAMES", "OPTIMIZERS",
-           "adam_direction", "make_learning_rate", "make_optimizer",
+           "adam_direction", "freeze", "frozen_mask", "make_learning_rate", "make_optimizer",
            "sgd_direction", "weight_decay_mask"]
