@@ -12,6 +12,7 @@ import ml_collections
 import numpy as np
 import pytest
 
+from resume_check import short_schedule
 from vmoe_ext import main
 from vmoe_ext.carving.spec import CarveSpec, carved_model_config
 from vmoe_ext.errors import ConfigError
@@ -34,10 +35,8 @@ def _dense_config():
   config.model.name = "vit"
   config.model.moe = None
   config.robustness = None
-  config.train.update(dict(total_steps=4, log_every=2, eval_every=0,
-                           checkpoint_every=4))
   config.optimizer.warmup_steps = 1
-  return config
+  return short_schedule(config, total_steps=4)
 
 
 def _carve_config(dense_dir, **changes):

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import naive
+from sharded_check import one_vs_eight_devices
 from vmoe_ext.carving.grouping import (balanced_assignment,
                                        balanced_clusters, distances,
                                        representatives, top_rate_units)
@@ -569,20 +570,8 @@ def flax_paths(tree):
 def test_bias_update_on_eight_data_parallel_devices_equals_one():
   """The balancing counts are reduced over the data-parallel axis: a batch
   split over 8 CPU devices moves the bias as the whole batch on one."""
-  import json
-  import os
-  import subprocess
-  import sys
-  from test_symphony import _SHARDED
-  env = {**os.environ, "XLA_FLAGS":
-         "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-  out = subprocess.run([sys.executable, "-c", _SHARDED, json.dumps(CMOE)],
-                       env=env, capture_output=True, text=True, timeout=300,
-                       check=False)
-  assert out.returncode == 0, out.stderr[-3000:]
-  result = json.loads(out.stdout.strip().splitlines()[-1])
-  one_logits, *one_bias = result["one"]
-  many_logits, *many_bias = result["many"]
+  (one_logits, *one_bias), (many_logits, *many_bias) = (
+      one_vs_eight_devices(CMOE))
   np.testing.assert_allclose(many_logits, one_logits, rtol=1e-5, atol=1e-6)
   assert any(np.abs(np.asarray(b)).sum() > 0 for b in one_bias)
   for a, b in zip(many_bias, one_bias):

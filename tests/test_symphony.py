@@ -4,12 +4,6 @@ Proposition 1 on random graphs, SymphonySoftMoE, configs and bad input."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
-
 import chex
 import jax
 import jax.numpy as jnp
@@ -18,6 +12,7 @@ import pytest
 
 import naive
 from resume_check import short_schedule, straight_vs_resumed
+from sharded_check import one_vs_eight_devices
 from vmoe_ext.errors import ConfigError
 from vmoe_ext.evaluate.evaluator import Evaluator
 from vmoe_ext.models import build_model
@@ -226,39 +221,7 @@ def test_checkpoint_resume_bit_identical_with_acmoe_base(tmp_path):
   np.testing.assert_allclose(np.asarray(graph).sum(1), 1 - 0.7**6, rtol=1e-5)
 
 
-_SHARDED = textwrap.dedent("""
-    import json, sys
-    import jax, jax.numpy as jnp, numpy as np
-    from jax.sharding import Mesh, PartitionSpec as P
-    from vmoe_ext.models import build_model
-    assert jax.device_count() == 8
-    def model(axis):
-      return build_model(dict(
-          name="vit_moe", num_classes=3, patch_size=(4, 4), hidden_size=8,
-          num_layers=4, num_heads=2, mlp_dim=8, state_axis_name=axis,
-          moe=dict(layers=(1, 3), num_experts=4, capacity_factor=2.0,
-                   group_size=5, router=json.loads(sys.argv[1]))))
-    images = jax.random.uniform(jax.random.key(0), (16, 8, 8, 1))
-    variables = model(None).init(jax.random.key(1), images)
-    variables["params"] = jax.tree.map(  # A non-zero head.
-        lambda v: v + 0.3 * jax.random.normal(jax.random.key(2), v.shape),
-        variables["params"])
-    def run(m, x, v):
-      out = {}
-      for _ in range(2):
-        (logits, _), new = m.apply(v, x, update_state=True,
-                                   mutable=["router_state"])
-        v = {**v, **new}
-      return logits, v["router_state"]
-    one = jax.jit(lambda x, v: run(model(None), x, v))(images, variables)
-    mesh = Mesh(np.array(jax.devices()), ("data",))
-    many = jax.jit(jax.shard_map(
-        lambda x, v: run(model("data"), x, v), mesh=mesh,
-        in_specs=(P("data"), P()), out_specs=(P("data"), P())))(
-            images, variables)
-    leaves = lambda t: [np.asarray(a).tolist() for a in jax.tree.leaves(t)]
-    print(json.dumps({"one": leaves(one), "many": leaves(many)}))
-""")
+
 
 
 @pytest.mark.parametrize("router", [
@@ -269,15 +232,8 @@ _SHARDED = textwrap.dedent("""
 def test_eight_data_parallel_devices_equal_one(router):
   """A batch of 16 images split over 8 CPU devices updates the graph (twice)
   to the single-device graph; without the axis the shards would differ."""
-  env = {**os.environ, "XLA_FLAGS":
-         "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-  out = subprocess.run([sys.executable, "-c", _SHARDED, json.dumps(router)],
-                       env=env, capture_output=True, text=True, timeout=300,
-                       check=False)
-  assert out.returncode == 0, out.stderr[-3000:]
-  result = json.loads(out.stdout.strip().splitlines()[-1])
-  one_logits, *one_graphs = result["one"]
-  many_logits, *many_graphs = result["many"]
+  (one_logits, *one_graphs), (many_logits, *many_graphs) = (
+      one_vs_eight_devices(router))
   assert np.abs(np.asarray(one_logits)).max() > 0.1
   np.testing.assert_allclose(many_logits, one_logits, rtol=1e-5, atol=1e-6)
   for a, b in zip(many_graphs, one_graphs):
