@@ -12,6 +12,8 @@ import pytest
 
 from naive import MomentumReference
 from vmoe_ext.models import build_model
+from vmoe_ext.models.vit import MlpBlock
+from vmoe_ext.moe.layer import MoeLayer
 from vmoe_ext.streams.time_varying import time_varying_mu
 
 MOE_BLOCKS = (1, 2, 4)  # Blocks 0 and 3 dense: state passes through them.
@@ -51,12 +53,11 @@ def _trace(model, variables, images):
     if context.method_name != "__call__":
       return out
     path = context.module.scope.path
-    kind = type(context.module).__name__
     if len(path) == 2 and path[0].startswith("encoderblock_"):
       rec = blocks.setdefault(path[0], {"calls": []})
       if path[1] == "Stream":
         rec["x"], rec["out"] = np.asarray(args[0]), np.asarray(out[0])
-      elif kind in ("MoeLayer", "MlpBlock"):
+      elif isinstance(context.module, (MoeLayer, MlpBlock)):
         rec["calls"].append((np.asarray(args[0]), np.asarray(
             out[0] if isinstance(out, tuple) else out)))
     return out

@@ -158,18 +158,18 @@ def carve_checkpoint(config: ml_collections.ConfigDict,
     profiling.close()
     carving.close()
   with WorkdirLock(workdir):
-    _save(result, target, workdir)
+    _save(result, target, workdir, datasets["train"])
     return _evaluate_and_report(config, target, result, source, step,
                                 workdir, datasets["test"], start)
 
 
 def _save(result: CarveResult, target: ml_collections.ConfigDict,
-          workdir: str) -> None:
-  """The carved train state at step 0 in `workdir/checkpoints`."""
+          workdir: str, train: ArrayDataset) -> None:
+  """The carved train state at step 0 in `workdir/checkpoints`, with the
+  position of a fresh training iterator over `train`."""
   variables = {"params": result.params, **result.collections}
   state = TrainState.create(variables, make_optimizer(target.optimizer),
                             jax.random.split(jax.random.key(target.seed))[1])
-  train = load_dataset(target.data)["train"]
   data = TrainIterator(train, target.data.batch_size, target.seed).get_state()
   manager = CheckpointManager(
       os.path.join(workdir, "checkpoints"), save_every=1,
