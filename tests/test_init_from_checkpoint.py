@@ -140,6 +140,21 @@ def test_read_params_reads_only_params_as_numpy(tmp_path):
     ckpt_params.read_params(state_dir, ["nope"])
 
 
+def test_relative_workdirs_are_read_from_the_cwd(tmp_path, monkeypatch):
+  """orbax takes absolute paths only: `init.workdir="src"` (and the carve
+  mode's `carve.checkpoint_dir`) are relative to the working directory."""
+  _save(tmp_path / "src", {2: _source()})
+  monkeypatch.chdir(tmp_path)
+  state_dir = ckpt_params.state_directory(os.path.join("src", "checkpoints"),
+                                          2)
+  assert ckpt_params.param_shapes(state_dir)["emb/w"][0] == (2, 3)
+  params, report = init_lib.load_init_params(
+      dict(workdir="src", step=None, rules=OK), _target())
+  np.testing.assert_array_equal(params["emb"]["w"],
+                                _source()["emb"]["w"].astype(jnp.bfloat16))
+  assert report.step == 2
+
+
 OK = [(r"moe/(.*)", r"dense/\1"), (r"(emb/.*)", r"\1")]
 
 ERRORS = {

@@ -67,10 +67,15 @@ def _unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
   return tree
 
 
+def _absolute(state_dir: str) -> epath.Path:
+  """orbax reads absolute paths only; relative ones are from the cwd."""
+  return epath.Path(os.path.abspath(state_dir))
+
+
 def _params_metadata(state_dir: str) -> dict[str, Any]:
   handler = ocp.PyTreeCheckpointHandler()
   try:
-    metadata = handler.metadata(epath.Path(state_dir))
+    metadata = handler.metadata(_absolute(state_dir))
   finally:
     handler.close()
   tree = getattr(metadata, "tree", metadata)
@@ -122,7 +127,7 @@ def read_params(state_dir: str,
   handler = ocp.PyTreeCheckpointHandler()
   try:
     restored = handler.restore(
-        epath.Path(state_dir),
+        _absolute(state_dir),
         args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args,
                                     partial_restore=True))
   finally:
