@@ -213,7 +213,8 @@ def _token_choice_plan(routing: TokenChoiceRouting, num_experts: int,
   kept_f = kept.astype(jnp.float32)
   kept_per_expert = jnp.einsum("gske,gsk->e", expert_one_hot, kept_f)
   num_valid = jnp.sum(routing.valid.astype(jnp.float32))
-  drop_rate = 1.0 - jnp.sum(kept_f) / jnp.maximum(num_valid, 1.0)
+  # Counts are exact in float32: no drop gives exactly 0 (not 1 - 1 + eps).
+  drop_rate = (num_valid - jnp.sum(kept_f)) / jnp.maximum(num_valid, 1.0)
   usage = kept_per_expert / (num_groups * capacity)
 
   if kind == "einsum":
