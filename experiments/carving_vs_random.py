@@ -16,12 +16,16 @@ carved by the binary's carve mode (`configs/carve.py:S{s}A{s}E8[,random]`,
 256 training images for calibration) at S1A1E8 / S2A2E8 / S3A3E8, i.e. 25% /
 50% / 75% of the hidden units active per token, with CMoE and with the random
 split (ROOT/{S..A..E..}_{method}_s{seed}); each carved model is then
-fine-tuned for 300 steps (`...,finetune`; ROOT/..._ft). Finished runs are
-reused, interrupted trainings resumed. Accuracy is on the 1,000 test images;
-nothing is tuned on them. Writes ROOT/carving_vs_random.md (mean ± std over
-seeds, per-seed values, verdicts) and ROOT/carving_vs_random.png, copied next
-to this script (not with --quick: 1 seed, 300 dense / 50 fine-tune steps,
-default root runs/carving_quick).
+fine-tuned for 300 steps (`...,finetune`; ROOT/..._ft), and again with the
+routers frozen (`...,finetune,freeze_router`: the router weights and CMoE's
+scale `u` never updated, like the router weights under the paper's LoRA
+fine-tune, which does train `u`; the balancing bias, a router state, still
+moves; ROOT/..._ftfrozen). Finished runs are reused, interrupted trainings
+resumed. Accuracy is on the 1,000 test images; nothing is tuned on them.
+Writes ROOT/carving_vs_random.md (mean ± std over seeds, per-seed values,
+verdicts) and ROOT/carving_vs_random.png, copied next to this script (not
+with --quick: 1 seed, 300 dense / 50 fine-tune steps, default root
+runs/carving_quick).
 """
 
 from __future__ import annotations
@@ -92,11 +96,11 @@ def carve(size: str, method: str, seed: int, dense_dir: str,
 
 
 def finetune(size: str, method: str, seed: int, carve_dir: str, workdir: str,
-             steps: Optional[int]) -> float:
+             steps: Optional[int], freeze_router: bool = False) -> float:
   if final_test(workdir) is None:
     config = load_config(
         "carve", size + (",random" if method == "random" else "") +
-        ",finetune")
+        ",finetune" + (",freeze_router" if freeze_router else ""))
     config.init.workdir = os.path.abspath(carve_dir)  # Idem.
     config.seed, config.robustness = seed, None
     if steps is not None:
@@ -107,29 +111,40 @@ def finetune(size: str, method: str, seed: int, carve_dir: str, workdir: str,
 
 def plot(results: dict, dense_acc: Sequence[float], seeds: Sequence[int],
          path: str) -> None:
-  fig, ax = plt.subplots(figsize=(6.4, 4.4))
+  """Left: every condition; right: the fine-tuned ones on a zoomed axis."""
+  fig, axes = plt.subplots(1, 2, figsize=(11.5, 4.6))
   x = list(SIZES.values())
   styles = {("cmoe", "free"): ("CMoE, training-free", "tab:blue", "-"),
             ("cmoe", "ft"): ("CMoE, fine-tuned", "tab:blue", "--"),
+            ("cmoe", "ftfrozen"): ("CMoE, fine-tuned, router frozen",
+                                   "tab:blue", ":"),
             ("random", "free"): ("random split, training-free", "tab:red",
                                  "-"),
-            ("random", "ft"): ("random split, fine-tuned", "tab:red", "--")}
-  for (method, kind), (label, colour, style) in styles.items():
-    stats = [mean_std([100 * results[method, size, s][kind] for s in seeds])
-             for size in SIZES]
-    shift = -0.004 if method == "cmoe" else 0.004  # Separate the bars.
-    ax.errorbar([r + shift for r in x], [m for m, _ in stats], yerr=[e for _, e in stats],
-                label=label, color=colour, linestyle=style, marker="o",
-                capsize=3)
+            ("random", "ft"): ("random split, fine-tuned", "tab:red", "--"),
+            ("random", "ftfrozen"): ("random split, fine-tuned, router frozen",
+                                     "tab:red", ":")}
   mean, std = mean_std([100 * a for a in dense_acc])
-  ax.axhline(mean, color="black", label=f"dense ViT ({mean:.2f}%)")
-  ax.axhspan(mean - std, mean + std, color="black", alpha=0.1)
-  ax.set_xticks(x, [f"{int(100 * r)}%\n{s}" for s, r in SIZES.items()])
-  ax.set_xlabel("activation ratio (hidden units active per token)")
-  ax.set_ylabel("test accuracy % (mean ± std over seeds)")
-  ax.set_title(f"Carving a dense ViT on MNIST-5k (seeds {list(seeds)})")
-  ax.legend(fontsize=8)
-  ax.grid(alpha=0.3)
+  for ax, kinds in zip(axes, (("free", "ft", "ftfrozen"), ("ft", "ftfrozen"))):
+    for (method, kind), (label, colour, style) in styles.items():
+      if kind not in kinds:
+        continue
+      stats = [mean_std([100 * results[method, size, s][kind] for s in seeds])
+               for size in SIZES]
+      shift = (-0.004 if method == "cmoe" else 0.004) * (  # Separate the bars.
+          1 if kind == "ftfrozen" else 2)
+      ax.errorbar([r + shift for r in x], [m for m, _ in stats],
+                  yerr=[e for _, e in stats], label=label, color=colour,
+                  linestyle=style, marker="s" if kind == "ftfrozen" else "o",
+                  capsize=3)
+    ax.axhline(mean, color="black", label=f"dense ViT ({mean:.2f}%)")
+    ax.axhspan(mean - std, mean + std, color="black", alpha=0.1)
+    ax.set_xticks(x, [f"{int(100 * r)}%\n{s}" for s, r in SIZES.items()])
+    ax.set_xlabel("activation ratio (hidden units active per token)")
+    ax.set_ylabel("test accuracy % (mean ± std over seeds)")
+    ax.legend(fontsize=7.5)
+    ax.grid(alpha=0.3)
+  axes[0].set_title(f"Carving a dense ViT on MNIST-5k (seeds {list(seeds)})")
+  axes[1].set_title("Fine-tuned only, zoomed (dotted: routers frozen)")
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
@@ -144,6 +159,8 @@ def verdicts(results: dict, dense_acc: Sequence[float],
   at = " at 25% / 50% / 75%"
   gaps_free = [m("cmoe", z, "free") - m("random", z, "free") for z in SIZES]
   gaps_ft = [m("cmoe", z, "ft") - m("random", z, "ft") for z in SIZES]
+  gaps_frozen = [m("cmoe", z, "ftfrozen") - m("random", z, "ftfrozen")
+                 for z in SIZES]
   recovered = [m("cmoe", z, "ft") / d for z in SIZES]
   free = [m("cmoe", z, "free") for z in SIZES]
   tuned = [m("cmoe", z, "ft") for z in SIZES]
@@ -154,6 +171,11 @@ def verdicts(results: dict, dense_acc: Sequence[float],
        "gaps " + ", ".join(f"{g:+.2f}" for g in gaps_free) + " points" + at),
       ("(2a) after fine-tuning CMoE beats the random split", min(gaps_ft) > 0,
        "gaps " + ", ".join(f"{g:+.2f}" for g in gaps_ft) + " points" + at),
+      ("(2a') after fine-tuning with the routers frozen (as LoRA leaves "
+       "the router weights), CMoE beats the random split",
+       min(gaps_frozen) > 0,
+       "gaps " + ", ".join(f"{g:+.2f}" for g in gaps_frozen) + " points"
+       + at),
       ("(2b) fine-tuned CMoE recovers >= 95% of the dense accuracy",
        min(recovered) >= 0.95,
        "ratios " + ", ".join(f"{r:.3f}" for r in recovered) + at),
@@ -190,8 +212,10 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
         name = os.path.join(root, f"{size}_{method}_s{seed}")
         free, secs, wall = carve(size, method, seed, dense_dir, name)
         ft = finetune(size, method, seed, name, name + "_ft", ft_steps)
-        results[method, size, seed] = dict(free=free, ft=ft, seconds=secs,
-                                           wall=wall)
+        frozen = finetune(size, method, seed, name, name + "_ftfrozen",
+                          ft_steps, freeze_router=True)
+        results[method, size, seed] = dict(free=free, ft=ft, ftfrozen=frozen,
+                                           seconds=secs, wall=wall)
         again = next(r["accuracy"] for r in read_metrics(name)
                      if r.get("split") == "dense_test")
         if abs(again - dense_acc[-1]) > 1e-6:  # Same checkpoint, same data.
@@ -206,25 +230,33 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
            f"the 1,000 test images. Fine-tune: {ft_steps or 300} steps. "
            "Carving s: the carving itself (calibration forward passes, "
            "profiling, grouping, slicing); carve-mode wall s: the whole "
-           "mode (data, restore, carving, checkpoint, both evaluations).", "",
+           "mode (data, restore, carving, checkpoint, both evaluations). "
+           "Router frozen: the same fine-tune with `optimizer.frozen` on the "
+           "routers' parameters (CMoE's router weights and scale `u`, the "
+           "random split's fresh router; the balancing bias still moves).",
+           "",
            "| method | carve | active ratio | training-free acc % | "
-           "fine-tuned acc % | carving s | carve-mode wall s |",
-           "|---|---|---|---|---|---|---|",
-           f"| dense ViT | - | 100% | {pct(dense_acc)} | - | - | - |"]
+           "fine-tuned acc % | fine-tuned, router frozen acc % | carving s | "
+           "carve-mode wall s |",
+           "|---|---|---|---|---|---|---|---|",
+           f"| dense ViT | - | 100% | {pct(dense_acc)} | - | - | - | - |"]
   for method in METHODS:
     for size, ratio in SIZES.items():
       rows = [results[method, size, s] for s in seeds]
       lines.append(
           f"| {method} | {size} | {int(100 * ratio)}% | "
           f"{pct([r['free'] for r in rows])} | {pct([r['ft'] for r in rows])}"
+          f" | {pct([r['ftfrozen'] for r in rows])}"
           f" | {sec([r['seconds'] for r in rows])} | "
           f"{sec([r['wall'] for r in rows])} |")
-  lines += ["", "Per seed (training-free / fine-tuned accuracy %, carving s):",
+  lines += ["", "Per seed (training-free / fine-tuned / fine-tuned with the "
+            "routers frozen accuracy %, carving s):",
             "", "- dense: " + ", ".join(
                 f"seed {s} {100 * a:.1f}" for s, a in zip(seeds, dense_acc))]
   for (method, size, seed), r in results.items():
     lines.append(f"- {method} {size} seed {seed}: {100 * r['free']:.1f} / "
-                 f"{100 * r['ft']:.1f}, {r['seconds']:.1f} s")
+                 f"{100 * r['ft']:.1f} / {100 * r['ftfrozen']:.1f}, "
+                 f"{r['seconds']:.1f} s")
   lines += ["", "Claims (on the means):", ""]
   lines += verdicts(results, dense_acc, seeds)
   if mismatches:
