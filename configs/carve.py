@@ -25,9 +25,13 @@ ARG, comma-separated:
                  the carve workdir (`--config.robustness.checkpoint_dir`);
   finetune       (step 4) the carved model trained for 300 steps from the
                  carve workdir's checkpoint (`--config.init.workdir`);
-  freeze_router  (with finetune) the routers are not trained (`u` and the
-                 router weights frozen, `optimizer.frozen`), as the authors'
-                 LoRA fine-tune leaves them; the bias still balances.
+  freeze_router  (with finetune) the routers are not trained: router weights
+                 and `u` frozen (`optimizer.frozen`), what the authors' code
+                 does in effect (PEFT's LoRA marks every non-LoRA parameter
+                 untrainable, `u` included, though it is handed to the
+                 optimizer with its own lr); the bias still balances;
+  freeze_router_kernel  (with finetune) the router weights frozen, `u`
+                 trained: the paper's stated setting (u at lr 1e-3).
 
 Every block of the 4-block ViT is carved (`carve.every=1`); the carved layers
 are dropless (`carve.capacity_factor=None`), one image per routing group.
@@ -45,7 +49,9 @@ from vmoe_ext.train.config_files import load_config
 from vmoe_ext.train.initialization import identity_rules
 
 FLAGS = ("random", "l1", "swiglu", "relu")
-FREEZE = "freeze_router"
+FREEZES = {"freeze_router": r"encoderblock_\d+/Moe/router/.*",
+           "freeze_router_kernel":
+               r"encoderblock_\d+/Moe/router/(kernel|up_kernel)"}
 MODES = ("evaluate", "finetune")
 FINETUNE_STEPS = 300
 
@@ -55,15 +61,16 @@ def get_config(arg=None):
   sizes = [p for p in parts if re.fullmatch(r"S\d+A\d+E\d+", p)]
   flags = [p for p in parts if p in FLAGS]
   modes = [p for p in parts if p in MODES]
-  freeze = FREEZE in parts
-  unknown = [p for p in parts if p not in sizes + flags + modes + [FREEZE]]
+  freezes = [p for p in parts if p in FREEZES]
+  unknown = [p for p in parts if p not in sizes + flags + modes + freezes]
   if unknown or len(sizes) > 1 or len(modes) > 1 or (
       "swiglu" in flags and "relu" in flags) or (
-          freeze and modes != ["finetune"]):
+          freezes and (modes != ["finetune"] or len(freezes) > 1)):
     raise ValueError(f"configs/carve.py: bad arg {arg!r}; expected "
                      "S{s}A{a}E{e}, any of " + ", ".join(FLAGS[:2]) +
                      ", one of swiglu/relu, and at most one of "
-                     + "/".join(MODES) + f" ({FREEZE} with finetune only)")
+                     + "/".join(MODES) + " (one of " + "/".join(FREEZES)
+                     + " with finetune only)")
   s, a, e = map(int, re.findall(r"\d+", sizes[0] if sizes else "S1A1E8"))
   activation = next((f for f in flags if f in ("swiglu", "relu")), None)
   config = load_config("vit_dense", "plain" + (f",{activation}"
@@ -96,6 +103,6 @@ def get_config(arg=None):
   config.optimizer.learning_rate = 1e-3
   config.train.eval_every = 100
   config.train.checkpoint_every = 100
-  if freeze:
-    config.optimizer.frozen = (r"encoderblock_\d+/Moe/router/.*",)
+  if freezes:
+    config.optimizer.frozen = (FREEZES[freezes[0]],)
   return config

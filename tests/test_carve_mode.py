@@ -188,6 +188,7 @@ def test_bad_carve_input_names_the_field(carved, tmp_path, case):
 @pytest.mark.parametrize("arg", ["", "S2A2E8,random", "S1A3E8,l1,swiglu",
                                  "S1A1E8,relu", "S1A1E8,evaluate",
                                  "S1A1E8,finetune,freeze_router",
+                                 "S2A2E8,finetune,freeze_router_kernel",
                                  "S2A2E8,swiglu,finetune"])
 def test_carve_configs_validate(arg):
   config = load_config("carve", arg)
