@@ -66,7 +66,8 @@ class MoeLayer(nn.Module):
     shared_experts: N_s, experts every token goes through with weight 1
       (DeepSeekMoE, CMoE), added to the routed output; held together as one
       dense MLP `SharedMlp` of width `N_s * hidden_size`, outside routing,
-      capacity and dropping. 0: none.
+      capacity and dropping; it reads the layer's input `x`, not a router's
+      transformed `expert_inputs` (ACMoE's scaling is routing). 0: none.
     output_bias: "experts" (vmoe: each expert's output layer has a bias,
       weighted by the expert's gate like the rest of its output) or "once"
       (the experts' output layers, shared ones included, have no bias; the
