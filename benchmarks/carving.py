@@ -55,10 +55,10 @@ from moe_layer import make_step  # noqa: E402
 from router_overhead import OPTIMIZER, model_config, shapes  # noqa: E402
 
 from vmoe_ext.carving.layer import carve_mlp  # noqa: E402
+from vmoe_ext.carving.mode import calibration_images  # noqa: E402
 from vmoe_ext.carving.model import carve_vit  # noqa: E402
 from vmoe_ext.carving.spec import CarveSpec  # noqa: E402
-from vmoe_ext.data import default_normalization, load_dataset  # noqa: E402
-from vmoe_ext.data.pipeline import eval_batches  # noqa: E402
+from vmoe_ext.data import load_dataset  # noqa: E402
 from vmoe_ext.models import build_model  # noqa: E402
 from vmoe_ext.moe import MoeLayer  # noqa: E402
 from vmoe_ext.moe.experts import DenseMlp  # noqa: E402
@@ -69,18 +69,15 @@ STEPS = 4  # Train steps per timed sample of part 3 (2 with --quick).
 
 
 def carving_times(quick: bool) -> dict[str, float]:
-  """Part 1: carve the default dense ViT twice; a ViT-S MLP once."""
+  """Part 1: carve the default dense ViT; a ViT-S MLP (full run only)."""
   config = load_config("vit_dense", "plain")
-  train = load_dataset(config.data)["train"]
   n = 64 if quick else 256
-  mean, std = default_normalization(config.data)
-  subset = type(train)(train.images[:n], train.labels[:n], train.num_classes,
-                       "calibration")
-  images = next(eval_batches(subset, n, mean=mean, std=std))["image"]
   model = config.model.to_dict()
-  params = build_model(model).init(jax.random.key(0), images[:1])["params"]
   spec = CarveSpec(checkpoint_dir="-", num_experts=8, num_shared=1,
                    num_activated=1, num_calibration=n)
+  images = calibration_images(load_dataset(config.data)["train"], spec,
+                              config.data)
+  params = build_model(model).init(jax.random.key(0), images[:1])["params"]
   spec.check(model)
   result = carve_vit(model, params, images, spec)
   out = {"carve_seconds": result.total_seconds,

@@ -73,6 +73,14 @@ def check_sizes(hidden: int, num_experts: int, num_shared: int) -> int:
   return hidden // num_experts
 
 
+def check_activation_markers(k_a: int, hidden: int) -> None:
+  """K_a in [1, H]; the error names `carve.activation_markers`."""
+  require(isinstance(k_a, int) and 1 <= k_a <= hidden,
+          "carve.activation_markers",
+          f"K_a must be an integer in [1, model.mlp_dim={hidden}], got "
+          f"{k_a!r}")
+
+
 def carve_mlp(mlp: Mapping[str, Mapping[str, np.ndarray]], x: np.ndarray, *,
               num_experts: int, num_shared: int, activation: str,
               activation_markers_k: int = 10, distance: str = "l2",
@@ -93,10 +101,7 @@ def carve_mlp(mlp: Mapping[str, Mapping[str, np.ndarray]], x: np.ndarray, *,
   """
   hidden = np.shape(mlp["Dense_0"]["kernel"])[-1]
   m = check_sizes(hidden, num_experts, num_shared)
-  require(isinstance(activation_markers_k, int)
-          and 1 <= activation_markers_k <= hidden, "carve.activation_markers",
-          f"K_a must be an integer in [1, model.mlp_dim={hidden}], got "
-          f"{activation_markers_k!r}")
+  check_activation_markers(activation_markers_k, hidden)
   require(np.ndim(x) == 2 and np.shape(x)[0] > 0, "carve.num_calibration",
           f"no calibration tokens (got an array of shape {np.shape(x)})")
   if normalize is None:

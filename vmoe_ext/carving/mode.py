@@ -108,14 +108,6 @@ def calibration_images(train: ArrayDataset, spec: CarveSpec,
   return next(batches)["image"]
 
 
-def _state(params: Any, collections: Any) -> TrainState:
-  zero = np.zeros((), np.int32)
-  return TrainState(step=zero, params=params, opt_state=None,
-                    collections=dict(collections), rng=np.zeros(2, np.uint32),
-                    nonfinite_count=zero, first_nonfinite_step=zero,
-                    tx=None)
-
-
 def carve_checkpoint(config: ml_collections.ConfigDict,
                      workdir: str) -> dict[str, Any]:
   """Runs the carve mode (module doc); returns the carved model's final
@@ -159,8 +151,8 @@ def carve_checkpoint(config: ml_collections.ConfigDict,
     carving.close()
   with WorkdirLock(workdir):
     _save(result, target, workdir, datasets["train"])
-    return _evaluate_and_report(config, target, result, source, step,
-                                workdir, datasets["test"], start)
+    return _evaluate_and_report(config, spec, dense, target, result, source,
+                                step, workdir, datasets["test"], start)
 
 
 def _save(result: CarveResult, target: ml_collections.ConfigDict,
@@ -182,17 +174,18 @@ def _save(result: CarveResult, target: ml_collections.ConfigDict,
     manager.close()
 
 
-def _evaluate_and_report(config, target, result: CarveResult, source, step,
-                         workdir, test, start) -> dict[str, Any]:
+def _evaluate_and_report(config, spec: CarveSpec, dense_model, target,
+                         result: CarveResult, source, step, workdir, test,
+                         start) -> dict[str, Any]:
   mean, std = default_normalization(config.data)
   batches = lambda: eval_batches(test, config.data.eval_batch_size,
                                  image_size=config.data.get("image_size"),
                                  mean=mean, std=std)
-  dense = evaluate(jax.jit(make_eval_step(build_model(config.model))),
-                   source, batches())
+  dense = evaluate(jax.jit(make_eval_step(dense_model)), source, batches())
   carved_model = build_model(target.model)
   final = evaluate(jax.jit(make_eval_step(carved_model)),
-                   _state(result.params, result.collections), batches())
+                   TrainState.for_evaluation(result.params,
+                                             result.collections), batches())
   final = listify(final)
   final["carve_seconds"] = result.total_seconds
   rows = []
@@ -211,7 +204,6 @@ def _evaluate_and_report(config, target, result: CarveResult, source, step,
       rows.append(line)
     writer.write(0, "dense_test", listify(dense))
     writer.write(0, "test", final, final=True)
-  spec = CarveSpec.from_config(config.carve)
   table = ["| block | seconds | assignment cost | shared mean rate | "
            "routed mean rate |", "|---|---|---|---|---|"]
   for r in rows:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Optional, Sequence
 
-from vmoe_ext.carving.layer import check_sizes
+from vmoe_ext.carving.layer import check_activation_markers, check_sizes
 from vmoe_ext.carving.grouping import DISTANCES
 from vmoe_ext.config.schema import renamed_scope
 from vmoe_ext.errors import require
@@ -123,11 +123,7 @@ class CarveSpec:
             f"{self.num_activated!r}")
     require(self.method in METHODS, "carve.method",
             f"must be one of {METHODS}, got {self.method!r}")
-    require(isinstance(self.activation_markers, int)
-            and 1 <= self.activation_markers <= hidden,
-            "carve.activation_markers",
-            f"K_a must be an integer in [1, model.mlp_dim={hidden}], got "
-            f"{self.activation_markers!r}")
+    check_activation_markers(self.activation_markers, hidden)
     require(self.distance in DISTANCES, "carve.distance",
             f"must be one of {DISTANCES}, got {self.distance!r}")
     require(isinstance(self.iterations, int) and self.iterations >= 1,

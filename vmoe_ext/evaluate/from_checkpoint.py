@@ -16,7 +16,6 @@ import flax.linen as nn
 import jax
 import ml_collections
 import numpy as np
-import optax
 
 from vmoe_ext.data import (ArrayDataset, default_normalization, eval_batches,
                            load_dataset)
@@ -75,12 +74,8 @@ def restore_for_eval(config: ml_collections.ConfigDict, model: nn.Module,
   require(restored is not None, "robustness.checkpoint_dir",
           f"no checkpoint could be restored from {manager.directory!r}")
   entries, step = restored
-  zero = np.zeros((), np.int32)
-  state = TrainState(step=np.int32(step), params=entries["params"],
-                     opt_state=None, collections=dict(entries["collections"]),
-                     rng=np.zeros((2,), np.uint32), nonfinite_count=zero,
-                     first_nonfinite_step=zero, tx=optax.identity())
-  return state, step
+  return TrainState.for_evaluation(entries["params"], entries["collections"],
+                                   step), step
 
 
 EVALUATION_DIR = "evaluation"

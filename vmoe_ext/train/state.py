@@ -52,6 +52,17 @@ class TrainState:
                nonfinite_count=jnp.zeros((), jnp.int32),
                first_nonfinite_step=jnp.zeros((), jnp.int32), tx=tx)
 
+  @classmethod
+  def for_evaluation(cls, params: Any, collections: Any,
+                     step: int = 0) -> "TrainState":
+    """Params and collections only, for `make_eval_step` and `variables()`:
+    no optimizer (`opt_state` None, `tx` the identity), zero counters."""
+    zero = jnp.zeros((), jnp.int32)
+    return cls(step=jnp.asarray(step, jnp.int32), params=params,
+               opt_state=None, collections=dict(collections),
+               rng=jnp.zeros((2,), jnp.uint32), nonfinite_count=zero,
+               first_nonfinite_step=zero, tx=optax.identity())
+
   def step_key(self) -> Array:
     """The typed PRNG key of the current step."""
     return jax.random.fold_in(jax.random.wrap_key_data(self.rng), self.step)
