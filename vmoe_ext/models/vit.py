@@ -17,7 +17,11 @@ import jax
 import jax.numpy as jnp
 
 from vmoe_ext.errors import ConfigError, field_scope, require
+from vmoe_ext.models.heads import (ATTENTION_KERNEL_INITS, CLASSIFIERS,
+                                   classifier_head, has_class_token)
 from vmoe_ext.models.placement import resolve_moe_layers
+from vmoe_ext.models.position import (add_fixed_position_emb,
+                                      check_position_emb)
 from vmoe_ext.moe.contract import RoutingContext
 from vmoe_ext.moe.experts import DenseMlp, check_activation
 from vmoe_ext.moe.layer import MoeLayer
@@ -25,7 +29,6 @@ from vmoe_ext.routers.registry import ROUTERS
 from vmoe_ext.streams import STREAMS
 
 Array = jax.Array
-CLASSIFIERS = ("token", "gap")
 
 # Settable fields of the `moe` config dict and their defaults.
 MOE_DEFAULTS: dict[str, Any] = {
@@ -84,6 +87,9 @@ class EncoderBlock(nn.Module):
   dropout_rate: float = 0.0
   attention_dropout_rate: float = 0.0
   mlp_activation: str = "gelu"
+  attention_qk_norm: bool = False
+  attention_kernel_init: str = "xavier_uniform"
+  attention_broadcast_dropout: bool = False
   moe: Optional[Mapping[str, Any]] = None  # filled by `moe_config`
   stream: Mapping[str, Any] = dataclasses.field(
       default_factory=lambda: dict(DEFAULT_STREAM))
@@ -97,6 +103,9 @@ class EncoderBlock(nn.Module):
     y = nn.LayerNorm(name="LayerNorm_0", dtype=self.dtype)(x)
     y = nn.MultiHeadDotProductAttention(
         num_heads=self.num_heads, dropout_rate=self.attention_dropout_rate,
+        broadcast_dropout=self.attention_broadcast_dropout,
+        kernel_init=ATTENTION_KERNEL_INITS[self.attention_kernel_init],
+        normalize_qk=self.attention_qk_norm,
         deterministic=deterministic, dtype=self.dtype, name="Attention")(y, y)
     y = nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
     x = x + y
@@ -177,8 +186,24 @@ class VisionTransformerMoe(nn.Module):
     num_layers: encoder blocks.
     num_heads: attention heads (must divide D).
     mlp_dim: H of the dense MLPs (and of the experts unless moe.hidden_size).
-    classifier: "token" (class token) or "gap" (global average pooling).
+    classifier: "token" (class token), "0" (first token, no class token),
+      "gap" (global average pooling) or "map" (attention pooling,
+      `vmoe_ext.models.heads`).
+    representation_size: None, or the width of a `pre_logits` Dense + tanh
+      before the head.
+    head_kernel_zero_init / head_bias_init: the head's kernel starts at 0
+      (vmoe's default; False: LeCun normal), its bias at this constant.
+    position_emb: "learned" (`pos_embedding`), "sincos2d" (fixed, patches
+      only) or "none"; `position_emb_temperature` for sincos2d
+      (`vmoe_ext.models.position`).
     dropout_rate / attention_dropout_rate: dropout rates.
+    attention_broadcast_dropout: False (vmoe, ViT): an independent attention
+      dropout mask per example and head; True (flax's default): one mask
+      shared across the batch and the heads.
+    attention_kernel_init: "xavier_uniform" (vmoe, ViT) or "lecun_normal"
+      (flax's default) for the q/k/v/out kernels.
+    attention_qk_norm: LayerNorm (no bias) on queries and keys per head
+      (flax's `normalize_qk`, vmoe's `attention_qk_norm`).
     mlp_activation: "gelu" (ViT, the default), "relu", or "swiglu" (gated:
       `silu(x W_0) * (x W_up)`, a third kernel `Dense_up`), for the dense
       MLPs and the experts alike (`vmoe_ext.moe.experts`).
@@ -204,8 +229,16 @@ class VisionTransformerMoe(nn.Module):
   num_heads: int = 4
   mlp_dim: int = 128
   classifier: str = "token"
+  representation_size: Optional[int] = None
+  head_kernel_zero_init: bool = True
+  head_bias_init: float = 0.0
+  position_emb: str = "learned"
+  position_emb_temperature: float = 10_000.0
   dropout_rate: float = 0.0
   attention_dropout_rate: float = 0.0
+  attention_broadcast_dropout: bool = False
+  attention_kernel_init: str = "xavier_uniform"
+  attention_qk_norm: bool = False
   mlp_activation: str = "gelu"
   moe: Optional[Mapping[str, Any]] = None
   stream: Optional[Mapping[str, Any]] = None
@@ -234,6 +267,18 @@ class VisionTransformerMoe(nn.Module):
       rate = getattr(self, field)
       require(0.0 <= rate < 1.0, field, f"must be in [0, 1), got {rate}")
     check_activation(self.mlp_activation)
+    require(self.representation_size is None
+            or (isinstance(self.representation_size, int)
+                and self.representation_size > 0), "representation_size",
+            f"must be None or a positive integer, got "
+            f"{self.representation_size!r}")
+    check_position_emb(self.position_emb, self.hidden_size)
+    require(self.position_emb_temperature > 0, "position_emb_temperature",
+            f"must be positive, got {self.position_emb_temperature}")
+    require(self.attention_kernel_init in ATTENTION_KERNEL_INITS,
+            "attention_kernel_init", f"must be one of "
+            f"{tuple(ATTENTION_KERNEL_INITS)}, got "
+            f"{self.attention_kernel_init!r}")
     moe = moe_config(self.moe)
     layers: tuple[int, ...] = ()
     if moe is not None:
@@ -282,13 +327,18 @@ class VisionTransformerMoe(nn.Module):
     x = nn.Conv(self.hidden_size, (ph, pw), strides=(ph, pw), padding="VALID",
                 dtype=self.dtype, name="embedding")(images)
     x = x.reshape(b, -1, self.hidden_size)
-    if self.classifier == "token":
+    if has_class_token(self.classifier):
       cls = self.param("cls", nn.initializers.zeros, (1, 1, self.hidden_size))
       x = jnp.concatenate([jnp.broadcast_to(cls, (b, 1, self.hidden_size))
                            .astype(x.dtype), x], axis=1)
-    posemb = self.param("pos_embedding", nn.initializers.normal(stddev=0.02),
-                        (1,) + x.shape[1:])
-    x = x + posemb.astype(x.dtype)
+    if self.position_emb == "learned":
+      posemb = self.param("pos_embedding",
+                          nn.initializers.normal(stddev=0.02),
+                          (1,) + x.shape[1:])
+      x = x + posemb.astype(x.dtype)
+    else:
+      x = add_fixed_position_emb(x, self.position_emb, (h // ph, w // pw),
+                                 self.position_emb_temperature)
     x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
 
     moe_layers = self.moe_layers
@@ -302,6 +352,9 @@ class VisionTransformerMoe(nn.Module):
           dropout_rate=self.dropout_rate,
           attention_dropout_rate=self.attention_dropout_rate,
           mlp_activation=self.mlp_activation,
+          attention_qk_norm=self.attention_qk_norm,
+          attention_kernel_init=self.attention_kernel_init,
+          attention_broadcast_dropout=self.attention_broadcast_dropout,
           moe=self.moe if i in moe_layers else None, stream=self.stream,
           dtype=self.dtype, name=f"encoderblock_{i}")(
               x, ctx.at_layer(i), deterministic=deterministic,
@@ -309,9 +362,14 @@ class VisionTransformerMoe(nn.Module):
       if layer_metrics is not None:
         metrics[f"layer_{i}"] = layer_metrics
     x = nn.LayerNorm(name="encoder_norm", dtype=self.dtype)(x)
-    x = x[:, 0] if self.classifier == "token" else jnp.mean(x, axis=1)
-    logits = nn.Dense(self.num_classes, kernel_init=nn.initializers.zeros,
-                      dtype=self.dtype, name="head")(x)
+    logits = classifier_head(
+        x, num_classes=self.num_classes, classifier=self.classifier,
+        representation_size=self.representation_size,
+        head_kernel_zero_init=self.head_kernel_zero_init,
+        head_bias_init=self.head_bias_init, num_heads=self.num_heads,
+        mlp_dim=self.mlp_dim, attention_qk_norm=self.attention_qk_norm,
+        attention_kernel_init=self.attention_kernel_init,
+        activation=self.mlp_activation, dtype=self.dtype)
     metrics["auxiliary_loss"] = sum(
         (m["auxiliary_loss"] for m in metrics.values()),
         jnp.zeros((), jnp.float32))
