@@ -139,7 +139,8 @@ def run(config, workdir: str) -> str:
   robustness = config.get("robustness")
   if robustness is not None:
     robustness_config(robustness)  # Also its evaluation datasets.
-  if robustness is not None and robustness.get("checkpoint_dir") is not None:
+  if robustness is not None and (robustness.get("checkpoint_dir") is not None
+                                 or robustness.get("from_init")):
     out = output_dir(workdir) if workdir else workdir
     check_workdir(out)
     evaluate_checkpoint(config, workdir)  # Evaluation only.

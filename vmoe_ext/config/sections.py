@@ -264,6 +264,9 @@ def _check_robustness(value: dict[str, Any]) -> None:
   require(value.get("checkpoint_dir") != "", "checkpoint_dir",
           "is empty; give the workdir of the training run to evaluate, or "
           "leave it None to train")
+  require(not (value.get("from_init") and value.get("checkpoint_dir")),
+          "from_init", "evaluates the params the init section loads; unset "
+          "robustness.checkpoint_dir (it names another source)")
 
 
 ROBUSTNESS = Section({
@@ -276,13 +279,26 @@ ROBUSTNESS = Section({
     "seed": Field("int", 0, low=0),
     "checkpoint_dir": Field("str", None, nullable=True,
                             doc="set: only evaluate that run's checkpoint"),
+    "from_init": Field("bool", False,
+                       doc="only evaluate the params `init` loads"),
 }, default=None, nullable=True, check=_check_robustness)
 
 # ------------------------------------------------------------------------ init
 
 
 def _check_init(value: dict[str, Any]) -> None:
-  require(value["workdir"], "workdir", "must not be empty")
+  has_file = value.get("checkpoint") is not None
+  require(has_file or value.get("workdir"), "workdir",
+          "must not be empty (or set init.checkpoint to import a foreign "
+          "checkpoint)")
+  require(not (has_file and value.get("workdir")), "checkpoint",
+          "set only one of init.workdir and init.checkpoint")
+  require(value.get("rules") or value.get("layout"), "rules",
+          "is empty: give rules, or a layout ('vmoe', 'vit_jax') whose "
+          "rules to use")
+  require(not value.get("upcycle") or value.get("layout") == "vit_jax",
+          "upcycle",
+          "only applies to layout 'vit_jax' (experts from dense MLPs)")
   for i, (target, _) in enumerate(value.get("rules") or ()):
     require(target is not None, f"rules[{i}][0]", "must be a regex, not None")
     try:
@@ -293,8 +309,18 @@ def _check_init(value: dict[str, Any]) -> None:
 
 
 INIT = Section({
-    "workdir": Field("str", REQUIRED, doc="the run whose checkpoint to load"),
+    "workdir": Field("str", None, nullable=True,
+                     doc="the run whose checkpoint to load"),
     "step": Field("int", None, nullable=True, low=0, doc="None: newest"),
+    "checkpoint": Field("str", None, nullable=True,
+                        doc="a foreign checkpoint file or prefix instead"),
+    "format": Field("str", "auto", choices=("auto", "vmoe", "npz",
+                                            "msgpack")),
+    "layout": Field("str", None, nullable=True, choices=("vmoe", "vit_jax"),
+                    doc="the foreign tree's names; its rules if rules=()"),
+    "upcycle": Field("bool", False,
+                     doc="vit_jax layout: experts from the dense MLPs"),
+    "strict": Field("bool", False, doc="every param and leaf must map"),
     # Sources may be None (keep the fresh init); initialization.parse_rules
     # checks each pair's types in detail.
     "rules": Seq(Seq(Field("str", nullable=True), length=2), (),

@@ -1,4 +1,6 @@
-"""Robustness evaluation of a training workdir's checkpoint (no training).
+"""Robustness evaluation of a checkpoint, with no training: a training
+workdir's (`robustness.checkpoint_dir`) or the params the `init` section
+loads (`robustness.from_init`, e.g. an imported vmoe V-MoE).
 
 Builds the model and only what evaluation needs: the test split, abstract
 variables (`jax.eval_shape`, nothing initialised), and the checkpoint's params
@@ -26,6 +28,7 @@ from vmoe_ext.models import build_model
 from vmoe_ext.reporting.report import listify, write_report
 from vmoe_ext.reporting.writers import MetricWriter, read_metrics
 from vmoe_ext.train.checkpoints import CheckpointManager, config_fingerprint
+from vmoe_ext.train.initialization import check_init, load_init_params
 from vmoe_ext.train.state import TrainState
 from vmoe_ext.train.steps import evaluate, make_eval_step
 from vmoe_ext.train.validate import validate_config, validate_shapes
@@ -78,6 +81,26 @@ def restore_for_eval(config: ml_collections.ConfigDict, model: nn.Module,
                                    step), step
 
 
+def init_for_eval(config: ml_collections.ConfigDict, model: nn.Module,
+                  image_shape: tuple[int, ...]) -> tuple[TrainState, str]:
+  """The params the `init` section loads (e.g. an imported vmoe checkpoint)
+  over a fresh initialisation, with the fresh non-parameter collections.
+
+  Returns `(state, description)`; the `init` section is checked on abstract
+  params first, so a bad mapping fails before anything is compiled.
+  """
+  sample = jax.ShapeDtypeStruct(image_shape, np.float32)
+  key = jax.random.key(config.seed)
+  check_init(config.init, jax.eval_shape(model.init, key, sample)["params"])
+  variables = dict(jax.jit(model.init)(key, np.zeros(image_shape,
+                                                     np.float32)))
+  params = variables.pop("params")
+  variables.pop("intermediates", None)
+  params, report = load_init_params(config.init, params)
+  return (TrainState.for_evaluation(params, variables, 0),
+          report.summary().splitlines()[0])
+
+
 EVALUATION_DIR = "evaluation"
 
 
@@ -120,16 +143,19 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict,
   checkpoint's fingerprint is checked).
   """
   start = time.time()
+  from_init = bool(config.robustness.get("from_init"))
   source = config.robustness.get("checkpoint_dir")
-  require(isinstance(source, str) and source, "robustness.checkpoint_dir",
-          "required: the workdir of the training run to evaluate")
-  ckpt_dir = os.path.join(source, "checkpoints")
-  require(os.path.isdir(ckpt_dir) and any(
-      name.isdigit() for name in os.listdir(ckpt_dir)),
-          "robustness.checkpoint_dir",
-          f"no checkpoint found in {ckpt_dir!r}; train into that workdir "
-          f"first (python -m vmoe_ext.main --config=TRAINING_CONFIG "
-          f"--workdir={source})")
+  if not from_init:
+    require(isinstance(source, str) and source, "robustness.checkpoint_dir",
+            "required: the workdir of the training run to evaluate (or "
+            "robustness.from_init=True with an init section)")
+    ckpt_dir = os.path.join(source, "checkpoints")
+    require(os.path.isdir(ckpt_dir) and any(
+        name.isdigit() for name in os.listdir(ckpt_dir)),
+            "robustness.checkpoint_dir",
+            f"no checkpoint found in {ckpt_dir!r}; train into that workdir "
+            f"first (python -m vmoe_ext.main --config=TRAINING_CONFIG "
+            f"--workdir={source})")
   validate_config(config)
   test = load_test_split(config.data)
   mean, std = default_normalization(config.data)
@@ -140,7 +166,14 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict,
   model = build_model(config.model)
   validate_shapes(config, model, image_shape,
                   num_classes=getattr(test, "num_classes", None))
-  state, step = restore_for_eval(config, model, image_shape, source)
+  if from_init:
+    state, imported = init_for_eval(config, model, image_shape)
+    step, records, evaluated = 0, [], f"Evaluated the params {imported}."
+  else:
+    state, step = restore_for_eval(config, model, image_shape, source)
+    records = _training_record(source, step)
+    evaluated = (f"Evaluated checkpoint: step {step} of "
+                 f"`{os.path.abspath(source)}`.")
   out = output_dir(workdir)
   with WorkdirLock(out), MetricWriter(out) as writer:
     # A fresh evaluation: drops earlier evaluation lines (never training
@@ -150,14 +183,13 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict,
     writer.write(step, "test", final, final=True)
     sections = final_evaluations(
         model, state.variables(), test, config, writer=writer, step=step,
-        workdir=out, records=_training_record(source, step))
+        workdir=out, records=records)
   final = listify(final)
   final["step"] = step
   write_report(out, final_metrics=final, records=read_metrics(out),
                config_summary=config.to_dict(),
                wall_seconds=time.time() - start,
-               extra_sections=[f"Evaluated checkpoint: step {step} of "
-                               f"`{os.path.abspath(source)}`."] + sections,
+               extra_sections=[evaluated] + sections,
                title="Robustness evaluation report")
   return final
 

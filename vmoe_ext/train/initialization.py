@@ -35,6 +35,16 @@ Semantics:
   * Rules that match only parameters already claimed by earlier rules, and
     checkpoint parameters that nothing loads, are allowed and reported.
 
+Foreign checkpoints (`vmoe_ext.interop`): `init.checkpoint` (a vmoe
+partitioned prefix, a vit_jax `.npz` or a flax msgpack file; `init.format`,
+default "auto") replaces `init.workdir`, and `init.layout` ("vmoe" |
+"vit_jax") supplies the rules when `init.rules` is empty and first compares
+the two trees structurally, so a mismatch names the model field to change
+(`model.moe.num_experts`, `model.moe.layers`, ...). `init.strict` (the
+import configs set it) makes every model parameter that no rule matches, and
+every checkpoint leaf that nothing loads, an `init.rules` error naming the
+leaf.
+
 Only the `params` of the checkpoint's saved train state are read (as numpy
 arrays, see `vmoe_ext.train.checkpoint_params`): neither the source run's
 config nor its optimizer is needed. This is independent of resuming: a run
@@ -47,7 +57,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import logging
-import os
 import re
 from typing import Any, Mapping, Optional, Sequence
 
@@ -56,7 +65,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from vmoe_ext.errors import ConfigError, require
+from vmoe_ext.interop.layouts import check_layout, layout_rules
 from vmoe_ext.train import checkpoint_params as ckpt_params
+from vmoe_ext.train.init_source import InitSource, find_checkpoint, open_source
 
 Rule = tuple[str, Optional[str]]
 Shape = tuple[int, ...]
@@ -95,8 +106,8 @@ class InitReport:
   """What `load_init_params` did.
 
   Attributes:
-    workdir: the source workdir.
-    step: the checkpoint step read.
+    workdir: the source workdir, or the foreign checkpoint's path.
+    step: the checkpoint step read (None for a foreign checkpoint).
     loaded: `{target path: source path}` of every loaded parameter.
     tiled: `{target path: E}` for the loaded parameters tiled to E experts.
     fresh: targets kept fresh by a rule whose replacement is None.
@@ -106,7 +117,7 @@ class InitReport:
     unused_source: checkpoint parameters that nothing loaded.
   """
   workdir: str
-  step: int
+  step: Optional[int]
   loaded: Mapping[str, str]
   tiled: Mapping[str, int]
   fresh: tuple[str, ...]
@@ -122,7 +133,9 @@ class InitReport:
       return ", ".join(paths[:max_names]) + (f", ... ({more} more)"
                                              if more > 0 else "")
 
-    lines = [f"initialised from {self.workdir} (step {self.step}): "
+    where = (self.workdir if self.step is None
+             else f"{self.workdir} (step {self.step})")
+    lines = [f"initialised from {where}: "
              f"{len(self.loaded)} params loaded, {len(self.tiled)} of them "
              f"tiled to experts; {len(self.fresh)} kept fresh by rule; "
              f"{len(self.unmatched)} matched by no rule (fresh)"]
@@ -144,14 +157,20 @@ class _Rule:
   index: int
   pattern: re.Pattern
   replacement: Optional[str]
+  optional: bool = False  # A layout's rule: may match no parameter.
 
   @property
   def field(self) -> str:
-    return f"init.rules[{self.index}]"
+    return (f"init.layout rule {self.index}" if self.optional
+            else f"init.rules[{self.index}]")
 
 
-def parse_rules(rules: Any) -> list[_Rule]:
-  """Validates and compiles `init.rules`; ConfigError names the rule."""
+def parse_rules(rules: Any, optional: bool = False) -> list[_Rule]:
+  """Validates and compiles `init.rules`; ConfigError names the rule.
+
+  `optional`: the rules of a layout, which may match no parameter (a vmoe
+  tree has `pre_logits` only with a representation size).
+  """
   require(isinstance(rules, Sequence) and not isinstance(rules, (str, bytes)),
           "init.rules", "must be a sequence of (target_regex, "
           f"source_replacement) pairs, got {type(rules).__name__}")
@@ -173,8 +192,15 @@ def parse_rules(rules: Any) -> list[_Rule]:
       pattern = re.compile(target)
     except re.error as e:
       raise ConfigError(field, f"bad target regex {target!r}: {e}") from e
-    parsed.append(_Rule(i, pattern, source))
+    parsed.append(_Rule(i, pattern, source, optional))
   return parsed
+
+
+def _get(config: Any, key: str) -> Any:
+  try:
+    return config[key]
+  except (KeyError, AttributeError):
+    return None
 
 
 def _close(name: str, candidates: Sequence[str]) -> str:
@@ -201,7 +227,8 @@ def plan(rules: Sequence[_Rule], targets: Mapping[str, Shape],
   loaded, tiled, fresh, unmatched = {}, {}, [], []
   won = set()
   for rule in rules:
-    if not any(rule.pattern.fullmatch(path) for path in targets):
+    if not rule.optional and not any(rule.pattern.fullmatch(path)
+                                     for path in targets):
       close = _close(rule.pattern.pattern, list(targets))
       raise ConfigError(
           rule.field, f"target regex {rule.pattern.pattern!r} fully matches "
@@ -242,44 +269,6 @@ def plan(rules: Sequence[_Rule], targets: Mapping[str, Shape],
   return loaded, tiled, fresh, unmatched, shadowed
 
 
-def _get(config: Any, key: str) -> Any:
-  try:
-    return config[key]
-  except (KeyError, AttributeError):
-    return None
-
-
-def find_checkpoint(workdir: Any, step: Any) -> tuple[str, int]:
-  """`(WORKDIR/checkpoints/<step>/state, step)` of the requested checkpoint.
-
-  Raises:
-    ConfigError("init.workdir") for a missing workdir or one without
-    checkpoints; ConfigError("init.step") for a bad or absent step.
-  """
-  require(isinstance(workdir, (str, os.PathLike)) and os.fspath(workdir),
-          "init.workdir", f"must be a directory path, got {workdir!r}")
-  workdir = os.fspath(workdir)
-  require(os.path.isdir(workdir), "init.workdir",
-          f"{workdir} does not exist or is not a directory")
-  directory = os.path.join(workdir, "checkpoints")
-  steps = ckpt_params.checkpoint_steps(directory)
-  if not steps:
-    hint = (" (it looks like a checkpoints directory itself: give the run's "
-            "workdir, its parent)"
-            if ckpt_params.checkpoint_steps(workdir) else "")
-    raise ConfigError("init.workdir", f"{workdir} has no checkpoint "
-                      f"(expected {directory}/<step>/state){hint}")
-  require(step is None or (isinstance(step, (int, np.integer))
-                           and not isinstance(step, bool)), "init.step",
-          f"must be an integer step or None (newest), got {step!r}")
-  if step is None:
-    step = steps[-1]
-  require(int(step) in steps, "init.step",
-          f"no checkpoint at step {step} in {directory}; available steps: "
-          f"{steps}")
-  return ckpt_params.state_directory(directory, int(step)), int(step)
-
-
 def _rebuild(tree: Any, leaves: Mapping[str, Any], prefix: str = "") -> Any:
   """`tree` with the leaves at the paths in `leaves` replaced (new dicts)."""
   if isinstance(tree, Mapping):
@@ -299,22 +288,50 @@ def _place(value: np.ndarray, like: Any) -> Any:
   return jnp.asarray(value, dtype=dtype)
 
 
+def _rules_of(init_config: Any) -> list[_Rule]:
+  """`init.rules`, or the rules of `init.layout` when no rules are given."""
+  rules, layout = _get(init_config, "rules"), _get(init_config, "layout")
+  if layout is not None and not rules:
+    return parse_rules(layout_rules(layout, bool(_get(init_config,
+                                                      "upcycle"))),
+                       optional=True)
+  return parse_rules(rules)
+
+
+def _check_strict(source: InitSource, resolved: tuple, targets: Any) -> None:
+  """`init.strict`: every parameter loaded or kept fresh by a rule, every
+  checkpoint leaf loaded."""
+  loaded, _, _, unmatched, _ = resolved
+  if unmatched:
+    raise ConfigError("init.rules", f"(strict) model parameter "
+                      f"{unmatched[0]} {list(targets[unmatched[0]])} is "
+                      f"matched by no rule: {source.describe()} has no "
+                      f"counterpart for it ({len(unmatched)} such)")
+  used = set(loaded.values())
+  extra = [p for p in source.shapes if p not in used]
+  if extra:
+    raise ConfigError("init.rules", f"(strict) checkpoint leaf {extra[0]} "
+                      f"{list(source.shapes[extra[0]])} of "
+                      f"{source.describe()} is loaded into no model "
+                      f"parameter ({len(extra)} such: "
+                      f"{', '.join(extra[:5])})")
+
+
 def _resolve(init_config: Any, params: Any):
   """Rules, checkpoint and plan, from shapes only (no array data read)."""
-  rules = parse_rules(_get(init_config, "rules"))
-  workdir = _get(init_config, "workdir")
-  state_dir, step = find_checkpoint(workdir, _get(init_config, "step"))
-  try:
-    sources = {p: s for p, (s, _) in ckpt_params.param_shapes(state_dir)
-               .items()}
-  except Exception as e:  # pylint: disable=broad-except
-    raise ConfigError("init.step", f"the checkpoint at step {step} "
-                      f"({state_dir}) is unreadable: {e}") from e
+  rules = _rules_of(init_config)
+  source = open_source(init_config)
   flat = ckpt_params.flatten(params)
   targets = {p: tuple(getattr(leaf, "shape", None) or np.shape(leaf))
              for p, leaf in flat.items()}
-  return workdir, state_dir, step, sources, flat, plan(rules, targets,
-                                                       sources)
+  layout = _get(init_config, "layout")
+  if layout is not None:
+    check_layout(layout, targets, source.shapes,
+                 upcycle=bool(_get(init_config, "upcycle")))
+  resolved = plan(rules, targets, source.shapes)
+  if _get(init_config, "strict"):
+    _check_strict(source, resolved, targets)
+  return source, flat, resolved
 
 
 def check_init(init_config: Any, params: Any) -> None:
@@ -327,11 +344,12 @@ def check_init(init_config: Any, params: Any) -> None:
 
 
 def load_init_params(init_config: Any, params: Any) -> tuple[Any, InitReport]:
-  """The new model's params with values from another run's checkpoint.
+  """The new model's params with values from another checkpoint.
 
   Args:
-    init_config: the `init` section (dict or ConfigDict): `workdir`, `step`
-      (None: newest) and `rules` (see the module docstring).
+    init_config: the `init` section (dict or ConfigDict): `workdir` and
+      `step` (None: newest), or `checkpoint` and `format`; `rules` and/or
+      `layout` (`upcycle`), `strict` (see the module docstring).
     params: the freshly initialised params of the new model (nested dicts of
       arrays); not modified.
 
@@ -342,24 +360,20 @@ def load_init_params(init_config: Any, params: Any) -> tuple[Any, InitReport]:
     also logged).
 
   Raises:
-    ConfigError naming `init.rules[i]`, `init.workdir` or `init.step`; see
-    the module docstring.
+    ConfigError naming `init.rules[i]`, `init.workdir`, `init.step`,
+    `init.checkpoint`, `init.layout` or the model field a layout check
+    found different; see the module docstring.
   """
-  workdir, state_dir, step, sources, flat, resolved = _resolve(init_config,
-                                                               params)
+  source, flat, resolved = _resolve(init_config, params)
   loaded, tiled, fresh, unmatched, shadowed = resolved
-  try:
-    values = ckpt_params.read_params(state_dir, set(loaded.values()))
-  except Exception as e:  # pylint: disable=broad-except
-    raise ConfigError("init.step", f"the params of the checkpoint at step "
-                      f"{step} ({state_dir}) are unreadable: {e}") from e
+  values = source.read(set(loaded.values()))
   new_leaves = {t: _place(values[s], flat[t]) for t, s in loaded.items()}
   used = set(loaded.values())
   report = InitReport(
-      workdir=os.fspath(workdir), step=step, loaded=loaded, tiled=tiled,
+      workdir=source.location, step=source.step, loaded=loaded, tiled=tiled,
       fresh=tuple(fresh), unmatched=tuple(unmatched),
       shadowed_rules=tuple(shadowed),
-      unused_source=tuple(p for p in sources if p not in used))
+      unused_source=tuple(p for p in source.shapes if p not in used))
   logging.getLogger(__name__).info(report.summary())
   return _rebuild(params, new_leaves), report
 

@@ -34,6 +34,10 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   require(total in (None, train_steps), "optimizer.total_steps",
           f"{total} differs from train.total_steps={train_steps}; the "
           "schedule would not end with the run")
+  robustness = config.get("robustness")
+  require(not (robustness is not None and robustness.get("from_init"))
+          or config.get("init") is not None, "robustness.from_init",
+          "evaluates the params the init section loads, but init is None")
 
 
 def num_tokens(model, image_shape: tuple[int, ...]) -> int:
