@@ -96,6 +96,13 @@ def carve(override: str, *fields: str) -> Case:
               fields if len(fields) > 1 else fields[0])
 
 
+def vmoe_import(override: str, field: str) -> Case:
+  """`--config=configs/vmoe_import.py:tiny --config.OVERRIDE` (evaluating an
+  imported vmoe checkpoint)."""
+  return Case(f"vmoe_import:{override}", (
+      "--config=configs/vmoe_import.py:tiny", f"--config.{override}"), field)
+
+
 def valid(override: str) -> Case:
   return Case(f"valid:{override}", (f"--config.{override}",
                                     "--config.model.num_heads=0"),
@@ -286,6 +293,23 @@ CASES: list[Case] = [
     carve("carve.method=moefication", "carve.method"),
     carve("model.mlp_activation=tanh", "model.mlp_activation"),
     carve("model.name=vit_moe", "model.name", "model.moe"),
+    # vmoe parity options and importing vmoe checkpoints
+    flag("model.representation_size=0"),
+    flag("model.position_emb=bogus"),
+    flag("model.position_emb_temperature=0"),
+    flag("model.attention_kernel_init=bogus"),
+    flag("model.head_bias_init=abc"),
+    config_file("sincos2d-hidden-size", 'c.model.hidden_size = 10\n'
+                'c.model.position_emb = "sincos2d"', "model.hidden_size"),
+    config_file("from-init-without-init", "c.robustness.from_init = True",
+                "robustness.from_init"),
+    config_file("init-workdir-and-checkpoint", 'c.init = dict(workdir="/a", '
+                'checkpoint="/b", layout="vmoe")', "init.checkpoint"),
+    config_file("init-upcycle-vmoe", 'c.init = dict(checkpoint="/b", '
+                'layout="vmoe", upcycle=True)', "init.upcycle"),
+    vmoe_import("init.checkpoint=/nonexistent/vmoe", "init.checkpoint"),
+    vmoe_import("init.layout=bogus", "init.layout"),
+    vmoe_import("init.format=bogus", "init.format"),
     # overrides that must parse (documented fields absent from tiny.py or
     # whose default is None); each then fails on model.num_heads=0
     valid("robustness.num_examples=200"),
@@ -298,6 +322,11 @@ CASES: list[Case] = [
     valid("model.moe.router.renormalize_gates=True"),
     valid("model.moe.router.z_loss_weight=0.001"),
     valid("model.moe.dispatcher=einsum"),
+    valid("model.representation_size=8"),
+    valid("model.classifier=map"),
+    valid("model.attention_qk_norm=True"),
+    valid("model.position_emb=sincos2d"),
+    valid("model.attention_broadcast_dropout=True"),
     valid("model.moe.capacity_rounding=vmoe"),
     valid("model.moe.capacity_multiple=4"),
     valid("model.moe.hidden_size=32"),

@@ -231,3 +231,58 @@ def test_a_mismatched_checkpoint_names_the_leaf_and_the_field(tmp_path, case):
                abstract)
   assert info.value.field == field, str(info.value)
   assert text in str(info.value), str(info.value)
+
+
+# ------------------------------------------------- the binary, end to end
+
+
+def _tiny_import_reference_config():
+  """vmoe's config of the model `configs/vmoe_import.py:tiny` describes."""
+  return dict(
+      num_classes=10, patch_size=(7, 7), hidden_size=64, classifier="token",
+      representation_size=32,
+      encoder=dict(num_layers=4, num_heads=4, mlp_dim=128,
+                   moe=dict(layers=(1, 3), num_experts=4, group_size=136,
+                            router=dict(num_selected_experts=2, dispatcher=dict(
+                                capacity_factor=1.25, multiple_of=4,
+                                capacity_ceil_or_round="ceil")))))
+
+
+def test_the_import_config_evaluates_and_attacks_an_imported_vmoe(tmp_path):
+  """`configs/vmoe_import.py:tiny` on a random vmoe-layout checkpoint: the
+  binary's clean test accuracy equals the NumPy vmoe forward's on the same
+  preprocessed test images, and the attack ran."""
+  import json
+
+  from vmoe_ext import main
+  from vmoe_ext.data import default_normalization, eval_batches
+  from vmoe_ext.evaluate.from_checkpoint import load_test_split
+  from vmoe_ext.train.config_files import load_config
+
+  theirs = _tiny_import_reference_config()
+  tree = random_vmoe_params(np.random.default_rng(11), theirs, (28, 28, 1))
+  prefix = str(tmp_path / "tiny_vmoe")
+  write_vmoe_checkpoint(prefix, tree)
+  config = load_config("vmoe_import", "tiny")
+  config.init.checkpoint = prefix
+  config.robustness.num_examples = 50
+  workdir = str(tmp_path / "run")
+  main.run(config, workdir)
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    records = [json.loads(line) for line in f]
+  final = [r for r in records if r.get("final")][0]
+  assert final["step"] == 0
+  assert any(r["split"].startswith("adversarial") for r in records)
+  assert "Evaluated the params initialised from" in open(
+      os.path.join(workdir, "report.md")).read()
+
+  test = load_test_split(config.data)
+  mean, std = default_normalization(config.data)
+  correct = total = 0
+  for batch in eval_batches(test, 200, mean=mean, std=std):
+    logits = vmoe_forward(tree, theirs, batch["image"])
+    hit = (logits.argmax(-1) == batch["label"]) & batch["mask"]
+    correct += int(hit.sum())
+    total += int(batch["mask"].sum())
+  assert total == 1000
+  assert final["accuracy"] == pytest.approx(correct / total, abs=1e-9)
