@@ -286,3 +286,43 @@ def test_the_import_config_evaluates_and_attacks_an_imported_vmoe(tmp_path):
     total += int(batch["mask"].sum())
   assert total == 1000
   assert final["accuracy"] == pytest.approx(correct / total, abs=1e-9)
+
+
+@pytest.mark.parametrize("arg,expected", [
+    # vmoe configs/vmoe_paper/common.py get_vmoe_config, by hand.
+    ("S32,last2,E8,K2", dict(hidden_size=512, num_layers=8, mlp_dim=2048,
+                             num_heads=8, layers=(5, 7), group_size=8 * 50,
+                             representation_size=512)),
+    ("B16,every2,E8,K2", dict(hidden_size=768, num_layers=12, mlp_dim=3072,
+                              num_heads=12, layers=(1, 3, 5, 7, 9, 11),
+                              group_size=8 * 197, representation_size=768)),
+    ("H14,last5,E32,K1,classes21843,image224", dict(
+        hidden_size=1280, num_layers=32, mlp_dim=5120, num_heads=16,
+        layers=(23, 25, 27, 29, 31), group_size=8 * 257,
+        representation_size=1280)),
+])
+def test_import_configs_build_vmoes_paper_models(arg, expected):
+  import math
+
+  from vmoe_ext.train.config_files import load_config
+  from vmoe_ext.train.validate import validate_config
+  config = load_config("vmoe_import", arg)
+  validate_config(config)
+  model = config.model
+  for key in ("hidden_size", "num_layers", "mlp_dim", "num_heads",
+              "representation_size"):
+    assert model[key] == expected[key], key
+  assert tuple(model.moe.layers) == expected["layers"]
+  assert model.moe.group_size == expected["group_size"]
+  classes = 21843 if "classes" in arg else 1000
+  assert model.head_bias_init == pytest.approx(-math.log(classes))
+  assert config.init.layout == "vmoe" and config.init.strict
+  assert config.robustness.from_init
+
+
+def test_import_config_rejects_a_bad_description():
+  from vmoe_ext.train.config_files import load_config
+  with pytest.raises(ValueError, match="unknown part"):
+    load_config("vmoe_import", "S32,last2,Q9")
+  with pytest.raises(ValueError, match="placement"):
+    load_config("vmoe_import", "S32")
