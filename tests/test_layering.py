@@ -67,6 +67,11 @@ def test_every_module_imports_alone_in_a_fresh_interpreter():
     ("vmoe_ext/train", "vmoe_ext.evaluate"),
     ("vmoe_ext/reporting", "vmoe_ext.train"),
     ("vmoe_ext/reporting", "vmoe_ext.evaluate"),
+    # Foreign checkpoint readers and layouts know nothing of the model,
+    # training or evaluation code that uses them.
+    ("vmoe_ext/interop", "vmoe_ext.models"),
+    ("vmoe_ext/interop", "vmoe_ext.train"),
+    ("vmoe_ext/interop", "vmoe_ext.evaluate"),
 ])
 def test_dependencies_run_one_way(lower, upper):
   offenders = []
