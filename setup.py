@@ -39,12 +39,13 @@ setup(
     extras_require={
         # Reading TFDS datasets prepared as array_record (no TensorFlow needed;
         # tfrecord-prepared datasets also need `pip install tensorflow-cpu`).
-        "tfds": ["tensorflow-datasets>=4.9.10", "pillow>=10"],
+        # grain: the streaming training pipeline (vmoe_ext/data/streaming.py).
+        "tfds": ["tensorflow-datasets>=4.9.10", "pillow>=10", "grain>=0.2.18"],
         # pytest-xdist: the suite runs its test files in parallel workers
         # (pyproject's addopts), one file per worker so that module fixtures
         # are built once.
         "dev": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100",
-                "tensorflow-datasets>=4.9.10", "pillow>=10",
+                "tensorflow-datasets>=4.9.10", "pillow>=10", "grain>=0.2.18",
                 # FGSM/PGD oracle of tests/test_attacks.py.
                 "foolbox>=3.3.4"],
     },
