@@ -3,10 +3,11 @@
 `tfds.testing.mock_data` replaces `tfds.data_source` by an in-memory random
 generator (no files, `data_dir` ignored), so it can neither span several
 array_record files nor test a wrong `data_dir`. Instead the module fixture
-writes a real, tiny `imagenet2012` under a temporary `data_dir`: TFDS's own
-imagenet2012 builder (same name, version and features) with the ILSVRC
-archives replaced by 340 generated 64x64 JPEGs, prepared as array_record in
-4 files per split, without TensorFlow. `tfds.data_source("imagenet2012",
+writes a real, tiny `imagenet2012` under a temporary `data_dir` with
+`vmoe_ext.data.fake_tfds.build_fake_imagenet`: TFDS's own imagenet2012
+builder (same name, version and features) with the ILSVRC archives replaced
+by 340 generated 64x64 JPEGs, prepared as array_record in 4 files per split,
+without TensorFlow. `tfds.data_source("imagenet2012",
 data_dir=...)` then reads it through the registered builder, as it would
 read the real dataset. Example i has file_name "n{i:08d}_{i}.JPEG" (its id)
 and label (7 i + 3) mod 1000, distinct for every example.
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import gc
 import glob
-import io
 import json
 import os
 import shutil
@@ -24,54 +24,15 @@ import sys
 import tracemalloc
 
 import numpy as np
-import PIL.Image
 import pytest
 
 tfds = pytest.importorskip("tensorflow_datasets")
 grain = pytest.importorskip("grain.python")
 
-from tensorflow_datasets.datasets.imagenet2012 import (  # noqa: E402
-    imagenet2012_dataset_builder, imagenet_common)
-
-from vmoe_ext.data import streaming  # noqa: E402
+from vmoe_ext.data import fake_tfds, streaming  # noqa: E402
 from vmoe_ext.errors import ConfigError, InputError  # noqa: E402
 
 N_TRAIN, N_VAL, SIDE, NUM_FILES = 300, 40, 64, 4
-
-with tfds.core.registered.skip_registration():
-
-  class MockImagenet2012(imagenet2012_dataset_builder.Builder):
-    """imagenet2012 5.1.0 with generated images instead of the archives."""
-
-    name = "imagenet2012"
-
-    def _info(self):  # The real features, without the metadata files.
-      return tfds.core.DatasetInfo(
-          builder=self,
-          features=tfds.features.FeaturesDict({
-              "image": tfds.features.Image(encoding_format="jpeg"),
-              "label": tfds.features.ClassLabel(
-                  names_file=imagenet_common.label_names_file()),
-              "file_name": tfds.features.Text(),
-          }),
-          supervised_keys=("image", "label"))
-
-    def _split_generators(self, dl_manager):
-      del dl_manager
-      return {"train": self._generate(0, N_TRAIN),
-              "validation": self._generate(N_TRAIN, N_TRAIN + N_VAL)}
-
-    def _generate(self, start, stop):
-      yy, xx = np.mgrid[:SIDE, :SIDE]
-      for i in range(start, stop):
-        image = np.stack([(xx * 4 + i) % 256, (yy * 4 + 3 * i) % 256,
-                          np.full_like(xx, (11 * i) % 256)], -1)
-        buf = io.BytesIO()
-        PIL.Image.fromarray(image.astype(np.uint8)).save(buf, format="jpeg",
-                                                         quality=95)
-        name = f"n{i:08d}_{i}.JPEG"
-        yield name, {"image": buf.getvalue(), "label": (7 * i + 3) % 1000,
-                     "file_name": name}
 
 
 def _label_to_id(label):
@@ -81,9 +42,9 @@ def _label_to_id(label):
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
   path = str(tmp_path_factory.mktemp("tfds"))
-  MockImagenet2012(data_dir=path, file_format="array_record"
-                   ).download_and_prepare(download_config=(
-                       tfds.download.DownloadConfig(num_shards=NUM_FILES)))
+  fake_tfds.build_fake_imagenet(path, num_train=N_TRAIN,
+                                num_validation=N_VAL, image_size=(SIDE, SIDE),
+                                num_shards=NUM_FILES)
   return path
 
 
