@@ -66,6 +66,12 @@ DATA_TFDS: dict[str, Spec] = {
     "max_examples": Field("int", None, nullable=True, low=1),
     "image_key": Field("str", None, nullable=True),
     "label_key": Field("str", None, nullable=True),
+    "streaming": Field("bool", False,
+                       doc="stream the train split (Grain), not in memory"),
+    "pp_train": Field("str", None, nullable=True,
+                      doc="train preprocessing string; streaming only"),
+    "worker_count": Field("int", 0, low=0,
+                          doc="streaming: preprocessing processes (0: none)"),
 }
 
 
@@ -86,7 +92,20 @@ def _data_fields(value: Mapping[str, Any]) -> dict[str, Spec]:
   return fields
 
 
-DATA = Section(_data_fields)
+def _check_data(value: dict[str, Any]) -> None:
+  """Streaming fields (`vmoe_ext.data.stream_iterator`)."""
+  if value.get("name") != "tfds":
+    return
+  if value.get("streaming"):
+    from vmoe_ext.data.stream_iterator import check_streaming_config
+    check_streaming_config(value)
+  else:
+    require(value.get("pp_train") is None, "pp_train",
+            "only used with data.streaming=True (the in-memory path "
+            "preprocesses with data.image_size / augment / flip / pad)")
+
+
+DATA = Section(_data_fields, check=_check_data)
 
 # ----------------------------------------------------------------------- model
 

@@ -56,11 +56,21 @@ def default_normalization(config: Mapping[str, Any]) -> tuple[Stat, Stat]:
 
   Explicit `mean` / `std` config fields win; otherwise the entry of
   `DEFAULT_NORMALIZATION` for `tfds_name` (name "tfds") or `name`; otherwise
-  `(0.0, 1.0)` (no normalisation).
+  `(0.0, 1.0)` (no normalisation). A streaming TFDS config
+  (`data.streaming`) instead gets the statistics that match its `pp_train`
+  scaling (`stream_iterator.pp_normalization`: 0.5, 0.5 for
+  `value_range(-1, 1)`), so that the in-memory test split is scaled as the
+  streamed train images are (which are not normalised again).
   """
   name = config.get("name", None)
   key = config.get("tfds_name", None) if name == "tfds" else name
   mean, std = DEFAULT_NORMALIZATION.get(key, (0.0, 1.0))
+  if (name == "tfds" and config.get("streaming", False)
+      and config.get("pp_train", None)):
+    from vmoe_ext.data import pp  # pylint: disable=g-import-not-at-top
+    from vmoe_ext.data.stream_iterator import pp_normalization
+    mean, std = pp_normalization(pp.parse(config["pp_train"],
+                                          "data.pp_train"))
   config_mean = config.get("mean", None)
   config_std = config.get("std", None)
   return (mean if config_mean is None else config_mean,

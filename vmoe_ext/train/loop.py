@@ -19,6 +19,9 @@ import numpy as np
 
 from vmoe_ext.data import (ArrayDataset, TrainIterator, default_normalization,
                            eval_batches, load_dataset)
+from vmoe_ext.data.stream_iterator import StreamingTrainIterator
+from vmoe_ext.data.tfds_adapter import load_tfds_split
+from vmoe_ext.errors import require
 from vmoe_ext.models import build_model
 from vmoe_ext.reporting.report import listify, write_report
 from vmoe_ext.reporting.writers import (MetricWriter, duration, progress_bar,
@@ -45,7 +48,8 @@ class Run:
 
   Attributes:
     config: the validated config.
-    datasets: `{"train", "test"}` raw datasets.
+    datasets: `{"train", "test"}` raw datasets (only "test" when
+      `data.streaming`: the train split is streamed, never loaded).
     model: the Flax model.
     state: the train state (initial, or restored by `restore`).
     train_iter: the training batch iterator (positioned by `restore`).
@@ -55,7 +59,7 @@ class Run:
   datasets: dict[str, ArrayDataset]
   model: nn.Module
   state: TrainState
-  train_iter: TrainIterator
+  train_iter: TrainIterator | StreamingTrainIterator
   checkpoints: CheckpointManager
   resumed_extra: dict[str, Any] = dataclasses.field(default_factory=dict)
   _eval_step: Optional[Callable] = None
@@ -101,20 +105,12 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
   train step is compiled.
   """
   validate_config(config)
-  datasets = load_dataset(config.data)
-  mean, std = default_normalization(config.data)
+  if config.data.get("streaming", False):
+    datasets, train_iter, sample, num_classes = _streaming_data(config)
+  else:
+    datasets, train_iter, sample, num_classes = _in_memory_data(config)
   model = build_model(config.model)
-  train_iter = TrainIterator(
-      datasets["train"], config.data.batch_size, config.seed,
-      image_size=config.data.get("image_size"), mean=mean, std=std,
-      augment=config.data.get("augment", False),
-      flip=config.data.get("flip", False), pad=config.data.get("pad", None))
-  sample = next(TrainIterator(datasets["train"], config.data.batch_size,
-                              config.seed,
-                              image_size=config.data.get("image_size"),
-                              mean=mean, std=std))["image"]
-  validate_shapes(config, model, sample.shape,
-                  num_classes=datasets["train"].num_classes)
+  validate_shapes(config, model, sample.shape, num_classes=num_classes)
   init_key, state_key = jax.random.split(jax.random.key(config.seed))
   init = config.get("init")
   if init is not None:  # Checked on shapes, before compiling model.init.
@@ -132,6 +128,38 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
       keep=config.train.keep_checkpoints,
       config_fingerprint=config_fingerprint(config, state.params))
   return Run(config, datasets, model, state, train_iter, checkpoints)
+
+
+def _in_memory_data(config: ml_collections.ConfigDict):
+  """`(datasets, train_iter, sample batch, num_classes)`, all in memory."""
+  datasets = load_dataset(config.data)
+  mean, std = default_normalization(config.data)
+  train_iter = TrainIterator(
+      datasets["train"], config.data.batch_size, config.seed,
+      image_size=config.data.get("image_size"), mean=mean, std=std,
+      augment=config.data.get("augment", False),
+      flip=config.data.get("flip", False), pad=config.data.get("pad", None))
+  sample = next(TrainIterator(datasets["train"], config.data.batch_size,
+                              config.seed,
+                              image_size=config.data.get("image_size"),
+                              mean=mean, std=std))["image"]
+  return datasets, train_iter, sample, datasets["train"].num_classes
+
+
+def _streaming_data(config: ml_collections.ConfigDict):
+  """The same for `data.streaming`: the train split is streamed (images
+  scaled by `data.pp_train`, not normalised again); only the test split is
+  loaded in memory (normalised by `default_normalization` to match)."""
+  data = config.data
+  train_iter = StreamingTrainIterator(data, config.seed)
+  sample = train_iter.sample_batch()
+  test = load_tfds_split(data, data.get("test_split") or "test",
+                         split_field="data.test_split",
+                         image_size=data.get("image_size"))
+  require(test.images.shape[-1] == sample.shape[-1], "data.pp_train",
+          f"gives {sample.shape[-1]}-channel images; the test split has "
+          f"{test.images.shape[-1]}")
+  return {"test": test}, train_iter, sample, train_iter.num_classes
 
 
 def _mean_metrics(history: Sequence[dict]) -> dict[str, Any]:

@@ -1,0 +1,220 @@
+"""The training binary's streaming input: `StreamingTrainIterator`.
+
+With `data.name = "tfds"` and `data.streaming = True` the train split is
+never loaded into memory: `StreamingTrainIterator` reads it record by record
+through `vmoe_ext.data.streaming` (Grain over the TFDS array_record files in
+`data.data_dir`) and preprocesses each record with the `data.pp_train`
+string (`vmoe_ext.data.pp`), in `data.worker_count` worker processes (0: in
+this process). It has `TrainIterator`'s protocol: `next(it)` is
+`{"image": float32 [B/P, H, W, C], "label": int32 [B/P]}`, `get_state()` a
+JSON-able str (Grain's state) saved in the checkpoints' `extra["data"]`,
+and `set_state(state)` resumes exactly there.
+
+Scaling. The images leave `pp_train` already scaled (e.g.
+`value_range(-1, 1)`); the trainer applies no `(x - mean) / std` to them.
+The test split is still read in memory as [0, 1] images and normalised with
+`default_normalization(config.data)`, which for a streaming config is the
+affine map that makes it match `pp_train`'s scaling (`pp_normalization`:
+mean = std = 0.5 for `value_range(-1, 1)`). Explicit `data.mean` / `data.std`
+must equal it (checked with the config).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from vmoe_ext.errors import InputError, require
+
+PP_FIELD = "data.pp_train"
+
+
+def pp_normalization(pipeline) -> tuple[Any, Any]:
+  """`(mean, std)` with `(x - mean) / std` of [0, 1] images == pp's scaling.
+
+  The last `value_range(vmin, vmax, in_min, in_max)` of the parsed pipeline
+  maps x255 = 255 x to vmin + (x255 - in_min) (vmax - vmin) / (in_max -
+  in_min); that is `(x - mean) / std` with std = (in_max - in_min) /
+  (255 (vmax - vmin)) and mean = in_min / 255 - vmin std (per channel when
+  in_min / in_max are). Without a value_range the output is in [0, 255]:
+  mean 0, std 1 / 255.
+  """
+  ops = [op for op in pipeline.ops if op.name == "value_range"]
+  if not ops:
+    return 0.0, 1.0 / 255.0
+  op = ops[-1]
+  names = ("vmin", "vmax", "in_min", "in_max")
+  values = dict(zip(names, (0.0, 0.0, 0.0, 255.0)))
+  values.update(zip(names, op.args))
+  values.update(dict(op.kwargs))
+  in_min = np.asarray(values["in_min"], np.float64)
+  in_max = np.asarray(values["in_max"], np.float64)
+  std = (in_max - in_min) / (255.0 * (float(values["vmax"])
+                                      - float(values["vmin"])))
+  mean = in_min / 255.0 - float(values["vmin"]) * std
+  as_stat = lambda a: float(a) if a.ndim == 0 else tuple(float(v) for v in a)
+  return as_stat(mean), as_stat(std)
+
+
+def check_streaming_config(data: Mapping[str, Any]) -> None:
+  """Cross-field checks of a streaming data section (fields relative to it).
+
+  Called by the config schema inside `field_scope("data")`: `pp_train` must
+  be given and parse; augmentation lives in it; `image_size` is required
+  (the in-memory test split is resized to it); explicit `mean` / `std` must
+  match `pp_train`'s scaling.
+  """
+  from vmoe_ext.data import pp  # pylint: disable=g-import-not-at-top
+  spec = data.get("pp_train")
+  require(spec is not None, "pp_train",
+          "required with data.streaming=True: the per-example training "
+          "preprocessing, e.g. 'decode_jpeg_and_inception_crop(224)|flip_lr|"
+          "value_range(-1, 1)'")
+  pipeline = pp.parse(spec, "pp_train")
+  require(not data.get("augment"), "augment",
+          "must be False with data.streaming=True: augmentation is part of "
+          "data.pp_train (e.g. inception_crop, flip_lr, randaug)")
+  require(data.get("image_size") is not None, "image_size",
+          "required with data.streaming=True: the side of pp_train's output "
+          "images, to which the in-memory test split is resized")
+  want_mean, want_std = pp_normalization(pipeline)
+  for key, want in (("mean", want_mean), ("std", want_std)):
+    got = data.get(key)
+    if got is None:
+      continue
+    ok = np.allclose(np.asarray(got, np.float64),
+                     np.asarray(want, np.float64), rtol=1e-5, atol=1e-7)
+    require(ok, key,
+            f"{got!r} does not match data.pp_train's output scaling, which "
+            f"needs {key}={want!r} for the test split (leave it None to get "
+            "that; streamed train images are not normalised again)")
+
+
+class PreprocessSpec:
+  """`data.pp_train` applied to one record; picklable (the spec string is
+  parsed lazily, in each worker: parsed pipelines hold closures)."""
+
+  def __init__(self, spec: str, image_key: str = "image",
+               label_key: str = "label"):
+    self.spec, self.image_key, self.label_key = spec, image_key, label_key
+    self._pipeline = None
+
+  def __getstate__(self) -> dict[str, Any]:
+    return {**self.__dict__, "_pipeline": None}
+
+  @property
+  def pipeline(self):
+    if self._pipeline is None:
+      from vmoe_ext.data import pp  # pylint: disable=g-import-not-at-top
+      self._pipeline = pp.parse(self.spec, PP_FIELD)
+    return self._pipeline
+
+  def __call__(self, example: Mapping[str, Any], rng: np.random.Generator
+               ) -> dict[str, np.ndarray]:
+    image = np.asarray(self.pipeline(example[self.image_key], rng),
+                       np.float32)
+    return {"image": image, "label": np.int32(example[self.label_key])}
+
+
+class StreamingTrainIterator:
+  """Endless training batches streamed from a TFDS split (module doc)."""
+
+  def __init__(self, data: Mapping[str, Any], seed: int, *,
+               process_index: int | None = None,
+               process_count: int | None = None):
+    """Opens `data.train_split` of `data.tfds_name` in `data.data_dir`.
+
+    Args:
+      data: a validated streaming data section (`batch_size` is the global
+        batch B; each process yields B / P rows).
+      seed: fixes every epoch's order and all preprocessing noise.
+      process_index: p, default `jax.process_index()`.
+      process_count: P, default `jax.process_count()`.
+
+    Raises:
+      ConfigError naming `data.tfds_name`, `data.data_dir`,
+      `data.train_split`, `data.image_key` / `data.label_key` or
+      `data.batch_size`.
+    """
+    from vmoe_ext.data import streaming  # pylint: disable=g-import-not-at-top
+    self._streaming = streaming
+    image_key = data.get("image_key") or "image"
+    label_key = data.get("label_key") or "label"
+    self._preprocess = PreprocessSpec(data["pp_train"], image_key, label_key)
+    decodes = self._preprocess.pipeline.names[0] in (
+        "decode", "decode_jpeg_and_inception_crop")
+    self._source = streaming.open_source(
+        data["tfds_name"], data.get("train_split") or "train",
+        data.get("data_dir"), decode_image=not decodes)
+    self.num_classes = self._num_classes(data, image_key, label_key)
+    self._kwargs = dict(batch_size=data["batch_size"], seed=seed,
+                        preprocess=self._preprocess,
+                        process_index=process_index,
+                        process_count=process_count,
+                        worker_count=data.get("worker_count") or 0)
+    self._iter = iter(streaming.train_loader(self._source, **self._kwargs))
+    self._image_size = data.get("image_size")
+
+  def _num_classes(self, data, image_key: str, label_key: str) -> int:
+    import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+    features = tfds.builder(data["tfds_name"], data_dir=data["data_dir"],
+                            try_gcs=False).info.features
+    require(image_key in features, "data.image_key",
+            f"no feature {image_key!r}; features: {list(features)}")
+    require(label_key in features
+            and hasattr(features[label_key], "num_classes"),
+            "data.label_key", f"no class-label feature {label_key!r}; "
+            f"features: {list(features)}")
+    return int(features[label_key].num_classes)
+
+  def sample_batch(self) -> np.ndarray:
+    """A [B/P, H, W, C] float32 batch of record 0's preprocessed image (for
+    shapes and `model.init`), checked against `data.image_size`."""
+    image = self._preprocess(self._source[0], np.random.default_rng(0))[
+        "image"]
+    side = self._image_size
+    require(image.ndim == 3 and image.shape[:2] == (side, side), PP_FIELD,
+            f"gives images of shape {image.shape}; the model and the test "
+            f"split expect [{side}, {side}, C] (data.image_size={side})")
+    rows = self._kwargs["batch_size"] // (self._kwargs["process_count"]
+                                          or _process_count())
+    return np.broadcast_to(image, (rows,) + image.shape).copy()
+
+  def __iter__(self) -> StreamingTrainIterator:
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    batch = next(self._iter)
+    return {"image": np.asarray(batch["image"], np.float32),
+            "label": np.asarray(batch["label"], np.int32)}
+
+  def get_state(self) -> str:
+    """Grain's state (JSON text) of the position after the last batch."""
+    return bytes(self._streaming.get_state(self._iter)).decode()
+
+  def set_state(self, state: Any) -> None:
+    """Resumes at a state returned by `get_state` (same config and P)."""
+    if not isinstance(state, str):
+      raise InputError("state", "a streaming run resumes from Grain's state "
+                       f"(a str); the checkpoint holds {state!r} (written by "
+                       "a run with data.streaming=False?)")
+    self.close()
+    self._iter = self._streaming.restore(self._source, state.encode(),
+                                         **self._kwargs)
+
+  def close(self) -> None:
+    """Stops the worker processes, if any."""
+    inner = getattr(self._iter, "_iterator", None)
+    if inner is not None and hasattr(inner, "close"):
+      inner.close()
+
+
+def _process_count() -> int:
+  import jax  # pylint: disable=g-import-not-at-top
+  return jax.process_count()
+
+
+__all__ = ["PreprocessSpec", "StreamingTrainIterator",
+           "check_streaming_config", "pp_normalization"]
