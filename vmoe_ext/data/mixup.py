@@ -98,24 +98,37 @@ def sample_weights_jax(key: jax.Array, shape: tuple[int, ...],
   return -jnp.sort(-w, axis=-1)
 
 
+def _mix(x: Any, weights: Any, xp: Any) -> Any:
+  """`mix` in the array namespace `xp` (numpy or jax.numpy)."""
+  g, size = weights.shape[0], weights.shape[-1]
+  xg = xp.asarray(x, xp.float32).reshape((g, -1) + x.shape[1:])
+  w = xp.asarray(weights, xp.float32)
+  w = w.reshape(w.shape + (1,) * (xg.ndim - 2))
+  out = sum(w[:, :, i] * xp.roll(xg, -i, axis=1) for i in range(size))
+  return out.reshape(x.shape)
+
+
 def mix(x: np.ndarray, weights: np.ndarray) -> np.ndarray:
   """`[B, ...]` mixed with weights `[G, B/G or 1, size]` (see module doc)."""
-  g, size = weights.shape[0], weights.shape[-1]
-  xg = np.asarray(x, np.float32).reshape((g, -1) + x.shape[1:])
-  w = np.asarray(weights, np.float32)
-  w = w.reshape(w.shape + (1,) * (xg.ndim - 2))
-  out = sum(w[:, :, i] * np.roll(xg, -i, axis=1) for i in range(size))
-  return out.reshape(x.shape).astype(np.float32)
+  return _mix(x, weights, np).astype(np.float32)
 
 
 def mix_jax(x: jax.Array, weights: jax.Array) -> jax.Array:
   """jax version of `mix`."""
-  g, size = weights.shape[0], weights.shape[-1]
-  xg = jnp.asarray(x, jnp.float32).reshape((g, -1) + x.shape[1:])
-  w = jnp.asarray(weights, jnp.float32)
-  w = w.reshape(w.shape + (1,) * (xg.ndim - 2))
-  out = sum(w[:, :, i] * jnp.roll(xg, -i, axis=1) for i in range(size))
-  return out.reshape(x.shape)
+  return _mix(x, weights, jnp)
+
+
+def _weights_shape_if_on(images: Any, labels: Any,
+                         concentration: float | None, size: int,
+                         granularity: str, groups: int
+                         ) -> tuple[int, ...] | None:
+  """The weights' shape, or None when mixup is off (checks the fields and
+  the batch)."""
+  if not check_config(concentration, size, granularity):
+    return None
+  _check_batch(images, labels)
+  return weights_shape(images.shape[0], size=size, granularity=granularity,
+                       groups=groups)
 
 
 def mixup(rng: np.random.Generator, images: np.ndarray, labels: np.ndarray,
@@ -127,11 +140,10 @@ def mixup(rng: np.random.Generator, images: np.ndarray, labels: np.ndarray,
   Draws the weights (module doc) from `rng`, unless mixup is off
   (concentration 0 or None), when the inputs are returned unchanged.
   """
-  if not check_config(concentration, size, granularity):
+  shape = _weights_shape_if_on(images, labels, concentration, size,
+                               granularity, groups)
+  if shape is None:
     return images, labels
-  _check_batch(images, labels)
-  shape = weights_shape(images.shape[0], size=size, granularity=granularity,
-                        groups=groups)
   w = sample_weights(rng, shape, concentration)
   return mix(images, w), mix(labels, w)
 
@@ -141,10 +153,9 @@ def mixup_jax(key: jax.Array, images: jax.Array, labels: jax.Array, *,
               granularity: str = "device", groups: int = 1
               ) -> tuple[jax.Array, jax.Array]:
   """jax version of `mixup` (weights from `key`), usable under `jax.jit`."""
-  if not check_config(concentration, size, granularity):
+  shape = _weights_shape_if_on(images, labels, concentration, size,
+                               granularity, groups)
+  if shape is None:
     return images, labels
-  _check_batch(images, labels)
-  shape = weights_shape(images.shape[0], size=size, granularity=granularity,
-                        groups=groups)
   w = sample_weights_jax(key, shape, concentration)
   return mix_jax(images, w), mix_jax(labels, w)
