@@ -55,6 +55,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import machine, print_json_last  # noqa: E402
+from vmoe_ext.data.stream_iterator import PreprocessSpec  # noqa: E402
 
 PP = ("decode_jpeg_and_inception_crop(224)|flip_lr|randaug(2, 10)|"
       "value_range(-1, 1)")
@@ -66,30 +67,10 @@ OPTIMIZER = {"name": "adamw", "learning_rate": 1e-3, "warmup_steps": 0,
              "weight_decay_mask": "no_bias_norm", "clip_global_norm": 1.0}
 
 
-class Preprocess:
-  """The PP string applied to one example; picklable (parsed lazily, in
-  each worker: parsed pipelines hold closures)."""
-
-  def __init__(self, spec: str):
-    self.spec = spec
-    self._pipeline = None
-
-  def __getstate__(self):
-    return {"spec": self.spec, "_pipeline": None}
-
-  def __call__(self, example, rng):
-    if self._pipeline is None:
-      from vmoe_ext.data import pp
-      self._pipeline = pp.parse(self.spec)
-    return {"image": self._pipeline(example["image"], rng),
-            "label": np.int32(example["label"])}
-
-
 def _close(iterator) -> None:
   """Stops the loader's worker processes now."""
-  inner = getattr(iterator, "_iterator", None)
-  if inner is not None and hasattr(inner, "close"):
-    inner.close()
+  from vmoe_ext.data import streaming
+  streaming.close(iterator)
   gc.collect()
 
 
@@ -97,7 +78,7 @@ def input_images_per_s(source, batch: int, workers: int, batches: int
                        ) -> float:
   from vmoe_ext.data import streaming
   loader = streaming.train_loader(
-      source, batch_size=batch, seed=0, preprocess=Preprocess(PP),
+      source, batch_size=batch, seed=0, preprocess=PreprocessSpec(PP),
       process_index=0, process_count=1, worker_count=workers)
   it = iter(loader)
   try:

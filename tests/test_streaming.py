@@ -82,9 +82,7 @@ def _take(iterator, n):
 def _close(*iterators):
   """Stops worker processes now rather than at interpreter exit."""
   for it in iterators:
-    inner = getattr(it, "_iterator", None)
-    if inner is not None and hasattr(inner, "close"):
-      inner.close()
+    streaming.close(it)
   gc.collect()
 
 

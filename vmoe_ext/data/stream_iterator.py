@@ -206,9 +206,7 @@ class StreamingTrainIterator:
 
   def close(self) -> None:
     """Stops the worker processes, if any."""
-    inner = getattr(self._iter, "_iterator", None)
-    if inner is not None and hasattr(inner, "close"):
-      inner.close()
+    self._streaming.close(self._iter)
 
 
 def _process_count() -> int:

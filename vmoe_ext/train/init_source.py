@@ -50,7 +50,8 @@ class InitSource:
             else self.location)
 
 
-def _get(config: Any, key: str) -> Any:
+def config_value(config: Any, key: str) -> Any:
+  """`config[key]` of a dict or ConfigDict; None when absent."""
   try:
     return config[key]
   except (KeyError, AttributeError):
@@ -89,8 +90,8 @@ def find_checkpoint(workdir: Any, step: Any) -> tuple[str, int]:
 
 
 def _run_source(init_config: Any) -> InitSource:
-  workdir = _get(init_config, "workdir")
-  state_dir, step = find_checkpoint(workdir, _get(init_config, "step"))
+  workdir = config_value(init_config, "workdir")
+  state_dir, step = find_checkpoint(workdir, config_value(init_config, "step"))
   try:
     shapes = {p: tuple(s) for p, (s, _) in
               ckpt_params.param_shapes(state_dir).items()}
@@ -110,10 +111,10 @@ def _run_source(init_config: Any) -> InitSource:
 
 def _foreign_source(init_config: Any) -> InitSource:
   from vmoe_ext.interop import formats  # Only foreign imports need it.
-  path = _get(init_config, "checkpoint")
+  path = config_value(init_config, "checkpoint")
   require(isinstance(path, (str, os.PathLike)) and os.fspath(path),
           "init.checkpoint", f"must be a file path or prefix, got {path!r}")
-  fmt = _get(init_config, "format") or "auto"
+  fmt = config_value(init_config, "format") or "auto"
   path, fmt = formats.resolve(os.fspath(path), fmt)
   shapes = {p: tuple(shape) for p, (shape, _) in
             formats.read_shapes(path, fmt).items()}
@@ -132,12 +133,12 @@ def _foreign_source(init_config: Any) -> InitSource:
 
 def open_source(init_config: Any) -> InitSource:
   """The source named by `init.workdir` or `init.checkpoint` (exactly one)."""
-  has_file = _get(init_config, "checkpoint") is not None
-  require(not (has_file and _get(init_config, "workdir") is not None),
+  has_file = config_value(init_config, "checkpoint") is not None
+  require(not (has_file and config_value(init_config, "workdir") is not None),
           "init.checkpoint", "set only one of init.workdir (a run of this "
           "project) and init.checkpoint (a foreign checkpoint file)")
   return _foreign_source(init_config) if has_file else _run_source(
       init_config)
 
 
-__all__ = ["InitSource", "find_checkpoint", "open_source"]
+__all__ = ["InitSource", "config_value", "find_checkpoint", "open_source"]

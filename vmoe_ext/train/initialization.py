@@ -67,7 +67,8 @@ import numpy as np
 from vmoe_ext.errors import ConfigError, require
 from vmoe_ext.interop.layouts import check_layout, layout_rules
 from vmoe_ext.train import checkpoint_params as ckpt_params
-from vmoe_ext.train.init_source import InitSource, find_checkpoint, open_source
+from vmoe_ext.train.init_source import (InitSource, config_value as _get,
+                                        find_checkpoint, open_source)
 
 Rule = tuple[str, Optional[str]]
 Shape = tuple[int, ...]
@@ -194,13 +195,6 @@ def parse_rules(rules: Any, optional: bool = False) -> list[_Rule]:
       raise ConfigError(field, f"bad target regex {target!r}: {e}") from e
     parsed.append(_Rule(i, pattern, source, optional))
   return parsed
-
-
-def _get(config: Any, key: str) -> Any:
-  try:
-    return config[key]
-  except (KeyError, AttributeError):
-    return None
 
 
 def _close(name: str, candidates: Sequence[str]) -> str:
