@@ -1,6 +1,6 @@
 """The training binary on a streamed train split (`data.streaming`).
 
-A real, tiny array_record `imagenet2012` (`fake_tfds.build_fake_imagenet`:
+A real, tiny array_record `imagenet2012` (`tests/fake_imagenet.py`:
 44 train and 16 validation 32x32 JPEGs) under a temporary data_dir; a tiny
 V-MoE (patch 8, 1000 classes) trains on batches of 8 streamed through
 `data.pp_train` (random crop + flip), so an epoch is 5.5 steps and batches
@@ -12,46 +12,24 @@ from __future__ import annotations
 import json
 
 import chex
-import ml_collections
 import numpy as np
 import pytest
 
 pytest.importorskip("tensorflow_datasets")
 pytest.importorskip("grain.python")
 
-from resume_check import short_schedule, straight_vs_resumed  # noqa: E402
-from vmoe_ext.data import fake_tfds, loader, tfds_adapter  # noqa: E402
+from fake_imagenet import N_TRAIN, N_VAL, SIDE, build, stream_config  # noqa: E402,E501
+from resume_check import straight_vs_resumed  # noqa: E402
+from vmoe_ext.data import loader, tfds_adapter  # noqa: E402
 from vmoe_ext.data.stream_iterator import StreamingTrainIterator  # noqa: E402
 from vmoe_ext.errors import ConfigError  # noqa: E402
 from vmoe_ext.train import loop  # noqa: E402
-from vmoe_ext.train.config_files import load_config  # noqa: E402
 from vmoe_ext.train.validate import validate_config  # noqa: E402
-
-N_TRAIN, N_VAL, SIDE = 44, 16, 32
-PP = "decode_jpeg_and_inception_crop(32)|flip_lr|value_range(-1, 1)"
 
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-  path = str(tmp_path_factory.mktemp("tfds"))
-  fake_tfds.build_fake_imagenet(path, num_train=N_TRAIN,
-                                num_validation=N_VAL,
-                                image_size=(SIDE, SIDE), num_shards=2)
-  return path
-
-
-def stream_config(data_dir, **data):
-  config = load_config("tiny")
-  config.data = ml_collections.ConfigDict(dict(
-      name="tfds", tfds_name="imagenet2012", data_dir=data_dir,
-      train_split="train", test_split="validation", batch_size=8,
-      eval_batch_size=8, image_size=SIDE, streaming=True, pp_train=PP,
-      worker_count=0, **data))
-  config.model.update(dict(patch_size=(8, 8), num_classes=1000))
-  config.model.moe.group_size = 17 * 2  # 16 patches + class token.
-  config.robustness = None
-  config.optimizer.warmup_steps = 1
-  return short_schedule(config, total_steps=6)
+  return build(str(tmp_path_factory.mktemp("tfds")))
 
 
 def test_streams_end_to_end_without_loading_the_train_split(

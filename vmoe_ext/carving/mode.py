@@ -37,8 +37,10 @@ from vmoe_ext.carving.spec import CarveSpec, carved_model_config
 from vmoe_ext.data import (TrainIterator, default_normalization, eval_batches,
                            load_dataset)
 from vmoe_ext.data.dataset import ArrayDataset
+from vmoe_ext.data.stream_eval import StreamingEvalSplit, streams_evaluation
+from vmoe_ext.data.stream_iterator import StreamingTrainIterator
 from vmoe_ext.errors import ConfigError, require
-from vmoe_ext.evaluate.from_checkpoint import restore_for_eval
+from vmoe_ext.evaluate.from_checkpoint import restore_for_eval, test_data
 from vmoe_ext.models import build_model
 from vmoe_ext.reporting.report import listify, write_report
 from vmoe_ext.reporting.writers import (MetricWriter, duration, progress_bar,
@@ -88,10 +90,12 @@ def check_dense_checkpoint(spec: CarveSpec, num_layers: int) -> int:
   return steps[-1]
 
 
-def calibration_images(train: ArrayDataset, spec: CarveSpec,
-                       data: ml_collections.ConfigDict) -> np.ndarray:
+def calibration_images(train: ArrayDataset | StreamingEvalSplit,
+                       spec: CarveSpec, data: ml_collections.ConfigDict
+                       ) -> np.ndarray:
   """`spec.num_calibration` training images (a seeded sample, in sample
-  order), preprocessed as for evaluation."""
+  order), preprocessed as for evaluation (a streamed train split: read
+  record by record through `data.pp_eval`)."""
   require(len(train) > 0, "carve.num_calibration",
           f"the training split {train.name!r} is empty: no calibration data")
   require(spec.num_calibration <= len(train), "carve.num_calibration",
@@ -99,13 +103,31 @@ def calibration_images(train: ArrayDataset, spec: CarveSpec,
           f"training split {train.name!r} has {len(train)}")
   pick = np.random.default_rng(spec.seed).permutation(
       len(train))[:spec.num_calibration]
-  subset = ArrayDataset(train.images[pick], train.labels[pick],
-                        train.num_classes, f"{train.name}[calibration]")
+  if isinstance(train, StreamingEvalSplit):
+    subset, image_size = train.analysis_dataset(None, indices=pick), None
+  else:
+    subset = ArrayDataset(train.images[pick], train.labels[pick],
+                          train.num_classes, f"{train.name}[calibration]")
+    image_size = data.get("image_size")
   mean, std = default_normalization(data)
-  batches = eval_batches(subset, len(subset),
-                         image_size=data.get("image_size"), mean=mean,
-                         std=std)
+  batches = eval_batches(subset, len(subset), image_size=image_size,
+                         mean=mean, std=std)
   return next(batches)["image"]
+
+
+def _train_split(data: ml_collections.ConfigDict
+                 ) -> ArrayDataset | StreamingEvalSplit:
+  """The train split: in memory, or streamed through `data.pp_eval` (a
+  streaming config; the train split is never loaded whole)."""
+  if not data.get("streaming"):
+    return load_dataset(data)["train"]
+  require(streams_evaluation(data), "data.pp_eval",
+          "required by the carve mode with data.streaming=True: the "
+          "calibration images of the train split are preprocessed as for "
+          "evaluation, e.g. 'decode|resize_small(256)|central_crop(224)|"
+          "value_range(-1, 1)'")
+  return StreamingEvalSplit(data, split=data.get("train_split") or "train",
+                            split_field="data.train_split")
 
 
 def carve_checkpoint(config: ml_collections.ConfigDict,
@@ -119,8 +141,8 @@ def carve_checkpoint(config: ml_collections.ConfigDict,
   target = carved_config(config)
   validate_config(target)  # The carved model config, before any data.
   check_dense_checkpoint(spec, config.model.num_layers)
-  datasets = load_dataset(config.data)
-  images = calibration_images(datasets["train"], spec, config.data)
+  train = _train_split(config.data)
+  images = calibration_images(train, spec, config.data)
   dense = build_model(config.model)
   try:
     source, step = restore_for_eval(config, dense, images[:1].shape,
@@ -150,19 +172,32 @@ def carve_checkpoint(config: ml_collections.ConfigDict,
     profiling.close()
     carving.close()
   with WorkdirLock(workdir):
-    _save(result, target, workdir, datasets["train"])
+    _save(result, target, workdir, train)
     return _evaluate_and_report(config, spec, dense, target, result, source,
-                                step, workdir, datasets["test"], start)
+                                step, workdir, start)
+
+
+def _fresh_data_state(target: ml_collections.ConfigDict,
+                      train: ArrayDataset | StreamingEvalSplit) -> Any:
+  """The data position of a fresh training iterator of `target`."""
+  if isinstance(train, ArrayDataset):
+    return TrainIterator(train, target.data.batch_size,
+                         target.seed).get_state()
+  stream = StreamingTrainIterator(target.data, target.seed)
+  try:
+    return stream.get_state()
+  finally:
+    stream.close()
 
 
 def _save(result: CarveResult, target: ml_collections.ConfigDict,
-          workdir: str, train: ArrayDataset) -> None:
+          workdir: str, train: ArrayDataset | StreamingEvalSplit) -> None:
   """The carved train state at step 0 in `workdir/checkpoints`, with the
   position of a fresh training iterator over `train`."""
   variables = {"params": result.params, **result.collections}
   state = TrainState.create(variables, make_optimizer(target.optimizer),
                             jax.random.split(jax.random.key(target.seed))[1])
-  data = TrainIterator(train, target.data.batch_size, target.seed).get_state()
+  data = _fresh_data_state(target, train)
   manager = CheckpointManager(
       os.path.join(workdir, "checkpoints"), save_every=1,
       keep=target.train.keep_checkpoints,
@@ -175,12 +210,9 @@ def _save(result: CarveResult, target: ml_collections.ConfigDict,
 
 
 def _evaluate_and_report(config, spec: CarveSpec, dense_model, target,
-                         result: CarveResult, source, step, workdir, test,
+                         result: CarveResult, source, step, workdir,
                          start) -> dict[str, Any]:
-  mean, std = default_normalization(config.data)
-  batches = lambda: eval_batches(test, config.data.eval_batch_size,
-                                 image_size=config.data.get("image_size"),
-                                 mean=mean, std=std)
+  batches = test_data(config.data)[1]
   dense = evaluate(jax.jit(make_eval_step(dense_model)), source, batches())
   carved_model = build_model(target.model)
   final = evaluate(jax.jit(make_eval_step(carved_model)),

@@ -39,6 +39,16 @@ TRAIN = Section({
     "keep_checkpoints": Field("int", REQUIRED, low=1),
     "label_smoothing": Field("float", 0.0, low=0.0, high=1.0,
                              high_open=True),
+    "mixup": Section({
+        "concentration": Field("float", None, nullable=True, low=0.0,
+                               doc="Dirichlet concentration; 0/None: off"),
+        "size": Field("int", 2, low=1, doc="examples per mixed example"),
+        "granularity": Field("str", "device",
+                             choices=("batch", "device", "example")),
+        "groups": Field("int", None, nullable=True, low=1,
+                        doc="mixing groups; None: jax.device_count()"),
+    }, default=None, nullable=True,
+                     doc="vmoe's mixup in the train step (soft labels)"),
 })
 
 # ------------------------------------------------------------------------ data
@@ -72,6 +82,12 @@ DATA_TFDS: dict[str, Spec] = {
                       doc="train preprocessing string; streaming only"),
     "worker_count": Field("int", 0, low=0,
                           doc="streaming: preprocessing processes (0: none)"),
+    "pp_eval": Field("str", None, nullable=True,
+                     doc="streaming: eval preprocessing string; set: the "
+                         "test split streams too"),
+    "analysis_examples": Field("int", 1024, low=1,
+                               doc="with pp_eval: test examples held in "
+                                   "memory for routing analysis/robustness"),
 }
 
 
@@ -100,9 +116,10 @@ def _check_data(value: dict[str, Any]) -> None:
     from vmoe_ext.data.stream_iterator import check_streaming_config
     check_streaming_config(value)
   else:
-    require(value.get("pp_train") is None, "pp_train",
-            "only used with data.streaming=True (the in-memory path "
-            "preprocesses with data.image_size / augment / flip / pad)")
+    for key in ("pp_train", "pp_eval"):
+      require(value.get(key) is None, key,
+              "only used with data.streaming=True (the in-memory path "
+              "preprocesses with data.image_size / augment / flip / pad)")
 
 
 DATA = Section(_data_fields, check=_check_data)

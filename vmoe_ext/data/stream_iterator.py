@@ -7,8 +7,9 @@ through `vmoe_ext.data.streaming` (Grain over the TFDS array_record files in
 string (`vmoe_ext.data.pp`), in `data.worker_count` worker processes (0: in
 this process). It has `TrainIterator`'s protocol: `next(it)` is
 `{"image": float32 [B/P, H, W, C], "label": int32 [B/P]}`, `get_state()` a
-JSON-able str (Grain's state) saved in the checkpoints' `extra["data"]`,
-and `set_state(state)` resumes exactly there.
+JSON-able dict of every process's Grain state, gathered from all processes
+and saved in the checkpoints' `extra["data"]`, and `set_state(state)`
+resumes each process exactly there.
 
 Scaling. The images leave `pp_train` already scaled (e.g.
 `value_range(-1, 1)`); the trainer applies no `(x - mean) / std` to them.
@@ -63,8 +64,9 @@ def check_streaming_config(data: Mapping[str, Any]) -> None:
 
   Called by the config schema inside `field_scope("data")`: `pp_train` must
   be given and parse; augmentation lives in it; `image_size` is required
-  (the in-memory test split is resized to it); explicit `mean` / `std` must
-  match `pp_train`'s scaling.
+  (the test split is resized or preprocessed to it); explicit `mean` /
+  `std` must match `pp_train`'s scaling; `pp_eval`, when given, must parse,
+  be deterministic and scale images as `pp_train` does.
   """
   from vmoe_ext.data import pp  # pylint: disable=g-import-not-at-top
   spec = data.get("pp_train")
@@ -80,6 +82,19 @@ def check_streaming_config(data: Mapping[str, Any]) -> None:
           "required with data.streaming=True: the side of pp_train's output "
           "images, to which the in-memory test split is resized")
   want_mean, want_std = pp_normalization(pipeline)
+  if data.get("pp_eval") is not None:
+    evaluation = pp.parse(data["pp_eval"], "pp_eval")
+    require(not evaluation.random_ops, "pp_eval",
+            f"has random ops {list(evaluation.random_ops)}; evaluation "
+            "preprocessing must be deterministic, e.g. 'decode|"
+            "resize_small(256)|central_crop(224)|value_range(-1, 1)'")
+    got = pp_normalization(evaluation)
+    same = all(np.allclose(np.asarray(a, np.float64), np.asarray(b, np.float64))
+               for a, b in zip(got, (want_mean, want_std)))
+    require(same, "pp_eval",
+            f"scales images as (x - mean) / std with (mean, std) = {got} "
+            f"for [0, 1] images; data.pp_train scales them with "
+            f"{(want_mean, want_std)}: give both the same final value_range")
   for key, want in (("mean", want_mean), ("std", want_std)):
     got = data.get(key)
     if got is None:
@@ -93,12 +108,16 @@ def check_streaming_config(data: Mapping[str, Any]) -> None:
 
 
 class PreprocessSpec:
-  """`data.pp_train` applied to one record; picklable (the spec string is
-  parsed lazily, in each worker: parsed pipelines hold closures)."""
+  """A preprocessing string applied to one record; picklable (the string is
+  parsed lazily, in each worker: parsed pipelines hold closures).
+
+  `field` is the config field named in parse errors (`data.pp_train`,
+  `data.pp_eval`)."""
 
   def __init__(self, spec: str, image_key: str = "image",
-               label_key: str = "label"):
+               label_key: str = "label", field: str = PP_FIELD):
     self.spec, self.image_key, self.label_key = spec, image_key, label_key
+    self.field = field
     self._pipeline = None
 
   def __getstate__(self) -> dict[str, Any]:
@@ -108,14 +127,46 @@ class PreprocessSpec:
   def pipeline(self):
     if self._pipeline is None:
       from vmoe_ext.data import pp  # pylint: disable=g-import-not-at-top
-      self._pipeline = pp.parse(self.spec, PP_FIELD)
+      self._pipeline = pp.parse(self.spec, self.field)
     return self._pipeline
 
-  def __call__(self, example: Mapping[str, Any], rng: np.random.Generator
+  @property
+  def decodes(self) -> bool:
+    """Whether the pipeline decodes the encoded image itself (the source
+    then hands it the bytes)."""
+    return self.pipeline.names[0] in ("decode",
+                                      "decode_jpeg_and_inception_crop")
+
+  def __call__(self, example: Mapping[str, Any],
+               rng: np.random.Generator | None = None
                ) -> dict[str, np.ndarray]:
     image = np.asarray(self.pipeline(example[self.image_key], rng),
                        np.float32)
     return {"image": image, "label": np.int32(example[self.label_key])}
+
+
+def num_classes(data: Mapping[str, Any]) -> int:
+  """The class count of `data.tfds_name` (its TFDS info), checking that
+  `data.image_key` / `data.label_key` name its features."""
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  image_key = data.get("image_key") or "image"
+  label_key = data.get("label_key") or "label"
+  features = tfds.builder(data["tfds_name"], data_dir=data["data_dir"],
+                          try_gcs=False).info.features
+  require(image_key in features, "data.image_key",
+          f"no feature {image_key!r}; features: {list(features)}")
+  require(label_key in features
+          and hasattr(features[label_key], "num_classes"),
+          "data.label_key", f"no class-label feature {label_key!r}; "
+          f"features: {list(features)}")
+  return int(features[label_key].num_classes)
+
+
+def check_image_side(image: np.ndarray, side: int, field: str) -> None:
+  """A preprocessed image must be `[side, side, C]` (`data.image_size`)."""
+  require(image.ndim == 3 and image.shape[:2] == (side, side), field,
+          f"gives images of shape {image.shape}; the model and the test "
+          f"split expect [{side}, {side}, C] (data.image_size={side})")
 
 
 class StreamingTrainIterator:
@@ -140,15 +191,13 @@ class StreamingTrainIterator:
     """
     from vmoe_ext.data import streaming  # pylint: disable=g-import-not-at-top
     self._streaming = streaming
-    image_key = data.get("image_key") or "image"
-    label_key = data.get("label_key") or "label"
-    self._preprocess = PreprocessSpec(data["pp_train"], image_key, label_key)
-    decodes = self._preprocess.pipeline.names[0] in (
-        "decode", "decode_jpeg_and_inception_crop")
+    self._preprocess = PreprocessSpec(data["pp_train"],
+                                      data.get("image_key") or "image",
+                                      data.get("label_key") or "label")
     self._source = streaming.open_source(
         data["tfds_name"], data.get("train_split") or "train",
-        data.get("data_dir"), decode_image=not decodes)
-    self.num_classes = self._num_classes(data, image_key, label_key)
+        data.get("data_dir"), decode_image=not self._preprocess.decodes)
+    self.num_classes = num_classes(data)
     self._kwargs = dict(batch_size=data["batch_size"], seed=seed,
                         preprocess=self._preprocess,
                         process_index=process_index,
@@ -157,29 +206,13 @@ class StreamingTrainIterator:
     self._iter = iter(streaming.train_loader(self._source, **self._kwargs))
     self._image_size = data.get("image_size")
 
-  def _num_classes(self, data, image_key: str, label_key: str) -> int:
-    import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
-    features = tfds.builder(data["tfds_name"], data_dir=data["data_dir"],
-                            try_gcs=False).info.features
-    require(image_key in features, "data.image_key",
-            f"no feature {image_key!r}; features: {list(features)}")
-    require(label_key in features
-            and hasattr(features[label_key], "num_classes"),
-            "data.label_key", f"no class-label feature {label_key!r}; "
-            f"features: {list(features)}")
-    return int(features[label_key].num_classes)
-
   def sample_batch(self) -> np.ndarray:
     """A [B/P, H, W, C] float32 batch of record 0's preprocessed image (for
     shapes and `model.init`), checked against `data.image_size`."""
     image = self._preprocess(self._source[0], np.random.default_rng(0))[
         "image"]
-    side = self._image_size
-    require(image.ndim == 3 and image.shape[:2] == (side, side), PP_FIELD,
-            f"gives images of shape {image.shape}; the model and the test "
-            f"split expect [{side}, {side}, C] (data.image_size={side})")
-    rows = self._kwargs["batch_size"] // (self._kwargs["process_count"]
-                                          or _process_count())
+    check_image_side(image, self._image_size, PP_FIELD)
+    rows = self._kwargs["batch_size"] // self._process()[1]
     return np.broadcast_to(image, (rows,) + image.shape).copy()
 
   def __iter__(self) -> StreamingTrainIterator:
@@ -190,19 +223,54 @@ class StreamingTrainIterator:
     return {"image": np.asarray(batch["image"], np.float32),
             "label": np.asarray(batch["label"], np.int32)}
 
-  def get_state(self) -> str:
-    """Grain's state (JSON text) of the position after the last batch."""
-    return bytes(self._streaming.get_state(self._iter)).decode()
+  def get_state(self) -> dict[str, Any]:
+    """Every process's position after the last batch (JSON-able):
+    `{"process_count": P, "states": {"p": Grain's JSON state of process p}}`.
+
+    In a multi-process run (`jax.process_count() > 1`) each process's state
+    is gathered from all processes (a collective: every process must call
+    this at the same step), so the one copy that process 0 writes into the
+    checkpoint resumes them all; with simulated processes (an explicit
+    `process_count` in a single jax process) only this process's entry is
+    there.
+    """
+    local = bytes(self._streaming.get_state(self._iter)).decode()
+    index, count = self._process()
+    states = {str(index): local}
+    if count > 1 and _process_count() == count:
+      states = {str(p): s for p, s in enumerate(_allgather_text(local))}
+    return {"process_count": count, "states": states}
 
   def set_state(self, state: Any) -> None:
-    """Resumes at a state returned by `get_state` (same config and P)."""
-    if not isinstance(state, str):
+    """Resumes at a state returned by `get_state` (same config and P); a
+    bare Grain state (str, written before per-process states) is read as
+    the state of a single process."""
+    index, count = self._process()
+    if isinstance(state, str):
+      state = {"process_count": 1, "states": {"0": state}}
+    if not (isinstance(state, Mapping) and "states" in state):
       raise InputError("state", "a streaming run resumes from Grain's state "
-                       f"(a str); the checkpoint holds {state!r} (written by "
-                       "a run with data.streaming=False?)")
+                       f"(per process); the checkpoint holds {state!r} "
+                       "(written by a run with data.streaming=False?)")
+    saved = state.get("process_count")
+    if saved != count or str(index) not in state["states"]:
+      raise InputError("state", f"the checkpoint's data position was saved "
+                       f"by {saved} process(es) (entries "
+                       f"{sorted(state['states'])}); this run has {count}, "
+                       f"this is process {index}: resume with the same "
+                       "number of processes")
     self.close()
-    self._iter = self._streaming.restore(self._source, state.encode(),
-                                         **self._kwargs)
+    self._iter = self._streaming.restore(
+        self._source, str(state["states"][str(index)]).encode(),
+        **self._kwargs)
+
+  def _process(self) -> tuple[int, int]:
+    """`(p, P)` of this iterator."""
+    import jax  # pylint: disable=g-import-not-at-top
+    index, count = (self._kwargs["process_index"],
+                    self._kwargs["process_count"])
+    return (jax.process_index() if index is None else index,
+            jax.process_count() if count is None else count)
 
   def close(self) -> None:
     """Stops the worker processes, if any."""
@@ -214,5 +282,18 @@ def _process_count() -> int:
   return jax.process_count()
 
 
-__all__ = ["PreprocessSpec", "StreamingTrainIterator",
-           "check_streaming_config", "pp_normalization"]
+def _allgather_text(text: str) -> list[str]:
+  """`text` of every jax process, in process order (a collective)."""
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  data = np.frombuffer(text.encode(), np.uint8)
+  lengths = np.asarray(multihost_utils.process_allgather(
+      np.asarray([data.size], np.int32))).reshape(-1)
+  padded = np.zeros(int(lengths.max()), np.uint8)
+  padded[:data.size] = data
+  rows = np.asarray(multihost_utils.process_allgather(padded)).reshape(
+      len(lengths), -1)
+  return [bytes(row[:n]).decode() for row, n in zip(rows, lengths)]
+
+
+__all__ = ["PreprocessSpec", "StreamingTrainIterator", "check_image_side",
+           "check_streaming_config", "num_classes", "pp_normalization"]

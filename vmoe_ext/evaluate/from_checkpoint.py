@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import flax.linen as nn
 import jax
@@ -21,6 +21,7 @@ import numpy as np
 
 from vmoe_ext.data import (ArrayDataset, default_normalization, eval_batches,
                            load_dataset)
+from vmoe_ext.data.stream_eval import StreamingEvalSplit, streams_evaluation
 from vmoe_ext.data.tfds_adapter import load_tfds_split
 from vmoe_ext.errors import require
 from vmoe_ext.evaluate.final import final_evaluations
@@ -36,12 +37,35 @@ from vmoe_ext.train.workdir import WorkdirLock
 
 
 def load_test_split(data: ml_collections.ConfigDict) -> ArrayDataset:
-  """The test split of a data config (TFDS: only that split is read)."""
+  """The test split of a data config (TFDS: only that split is read; with
+  `data.pp_eval` its in-memory analysis subset, `test_data`)."""
+  if streams_evaluation(data):
+    return test_data(data)[0]
   if data.name == "tfds":
     return load_tfds_split(data, data.get("test_split", None) or "test",
                            split_field="data.test_split",
                            image_size=data.get("image_size", None))
   return load_dataset(data)["test"]
+
+
+def test_data(data: ml_collections.ConfigDict
+              ) -> tuple[ArrayDataset, Callable[[], Iterator[dict]]]:
+  """`(test, batches)`: the in-memory test images for the routing analysis
+  and robustness, and a function returning fresh clean-evaluation batches
+  (`eval_batches` layout). With `data.pp_eval` the batches stream the whole
+  split and `test` holds `data.analysis_examples` of its images
+  (`StreamingEvalSplit`); otherwise both come from the loaded split."""
+  if streams_evaluation(data):
+    split = StreamingEvalSplit(data)
+    split.check_image_size(data.image_size)
+    split.num_batches(data.eval_batch_size)  # Checks the batch size.
+    return (split.analysis_dataset(data.get("analysis_examples")),
+            lambda: split.batches(data.eval_batch_size))
+  test = load_test_split(data)
+  mean, std = default_normalization(data)
+  return test, lambda: eval_batches(test, data.eval_batch_size,
+                                    image_size=data.get("image_size"),
+                                    mean=mean, std=std)
 
 
 def restore_for_eval(config: ml_collections.ConfigDict, model: nn.Module,
@@ -157,12 +181,11 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict,
             f"first (python -m vmoe_ext.main --config=TRAINING_CONFIG "
             f"--workdir={source})")
   validate_config(config)
-  test = load_test_split(config.data)
-  mean, std = default_normalization(config.data)
-  batches = lambda: eval_batches(test, config.data.eval_batch_size,
-                                 image_size=config.data.get("image_size"),
-                                 mean=mean, std=std)
-  image_shape = next(batches())["image"].shape
+  test, batches = test_data(config.data)
+  # Streamed batches have B / P rows (one process's share).
+  rows = config.data.eval_batch_size // (
+      jax.process_count() if streams_evaluation(config.data) else 1)
+  image_shape = (rows,) + test.image_shape
   model = build_model(config.model)
   validate_shapes(config, model, image_shape,
                   num_classes=getattr(test, "num_classes", None))

@@ -19,6 +19,7 @@ import numpy as np
 
 from vmoe_ext.data import (ArrayDataset, TrainIterator, default_normalization,
                            eval_batches, load_dataset)
+from vmoe_ext.data.stream_eval import StreamingEvalSplit, streams_evaluation
 from vmoe_ext.data.stream_iterator import StreamingTrainIterator
 from vmoe_ext.data.tfds_adapter import load_tfds_split
 from vmoe_ext.errors import require
@@ -49,11 +50,14 @@ class Run:
   Attributes:
     config: the validated config.
     datasets: `{"train", "test"}` raw datasets (only "test" when
-      `data.streaming`: the train split is streamed, never loaded).
+      `data.streaming`: the train split is streamed, never loaded; with
+      `data.pp_eval` "test" is the in-memory analysis subset of
+      `data.analysis_examples` images, and `evaluate` streams the split).
     model: the Flax model.
     state: the train state (initial, or restored by `restore`).
     train_iter: the training batch iterator (positioned by `restore`).
     checkpoints: the workdir's checkpoint manager.
+    eval_split: the streamed test split (`data.pp_eval`), else None.
   """
   config: ml_collections.ConfigDict
   datasets: dict[str, ArrayDataset]
@@ -62,6 +66,7 @@ class Run:
   train_iter: TrainIterator | StreamingTrainIterator
   checkpoints: CheckpointManager
   resumed_extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+  eval_split: Optional[StreamingEvalSplit] = None
   _eval_step: Optional[Callable] = None
 
   def evaluate(self, split: str = "test") -> dict[str, Any]:
@@ -72,6 +77,8 @@ class Run:
 
   def eval_batches(self, split: str = "test") -> Iterator[dict]:
     """Every example of `split` once, padded + masked, preprocessed."""
+    if split == "test" and self.eval_split is not None:
+      return self.eval_split.batches(self.config.data.eval_batch_size)
     mean, std = default_normalization(self.config.data)
     return eval_batches(self.datasets[split],
                         self.config.data.eval_batch_size,
@@ -105,8 +112,10 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
   train step is compiled.
   """
   validate_config(config)
+  eval_split = None
   if config.data.get("streaming", False):
-    datasets, train_iter, sample, num_classes = _streaming_data(config)
+    datasets, train_iter, sample, num_classes, eval_split = _streaming_data(
+        config)
   else:
     datasets, train_iter, sample, num_classes = _in_memory_data(config)
   model = build_model(config.model)
@@ -127,7 +136,8 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
       save_every=config.train.checkpoint_every,
       keep=config.train.keep_checkpoints,
       config_fingerprint=config_fingerprint(config, state.params))
-  return Run(config, datasets, model, state, train_iter, checkpoints)
+  return Run(config, datasets, model, state, train_iter, checkpoints,
+             eval_split=eval_split)
 
 
 def _in_memory_data(config: ml_collections.ConfigDict):
@@ -147,19 +157,30 @@ def _in_memory_data(config: ml_collections.ConfigDict):
 
 
 def _streaming_data(config: ml_collections.ConfigDict):
-  """The same for `data.streaming`: the train split is streamed (images
-  scaled by `data.pp_train`, not normalised again); only the test split is
-  loaded in memory (normalised by `default_normalization` to match)."""
+  """The same for `data.streaming` (plus the streamed test split or None):
+  the train split is streamed (images scaled by `data.pp_train`, not
+  normalised again). With `data.pp_eval` the test split streams too, and
+  `data.analysis_examples` of its images are held in memory as [0, 1]
+  images; without it the test split is loaded in memory, resized to
+  `data.image_size` (both normalised by `default_normalization` to match)."""
   data = config.data
   train_iter = StreamingTrainIterator(data, config.seed)
   sample = train_iter.sample_batch()
-  test = load_tfds_split(data, data.get("test_split") or "test",
-                         split_field="data.test_split",
-                         image_size=data.get("image_size"))
+  eval_split = None
+  if streams_evaluation(data):
+    eval_split = StreamingEvalSplit(data)
+    eval_split.check_image_size(data.image_size)
+    eval_split.num_batches(data.eval_batch_size)  # Checks the batch.
+    test = eval_split.analysis_dataset(data.get("analysis_examples"))
+  else:
+    test = load_tfds_split(data, data.get("test_split") or "test",
+                           split_field="data.test_split",
+                           image_size=data.get("image_size"))
   require(test.images.shape[-1] == sample.shape[-1], "data.pp_train",
           f"gives {sample.shape[-1]}-channel images; the test split has "
           f"{test.images.shape[-1]}")
-  return {"test": test}, train_iter, sample, train_iter.num_classes
+  return ({"test": test}, train_iter, sample, train_iter.num_classes,
+          eval_split)
 
 
 def _mean_metrics(history: Sequence[dict]) -> dict[str, Any]:

@@ -1,0 +1,348 @@
+"""The streamed test split (`data.pp_eval`) and per-process data states.
+
+On the tiny fake `imagenet2012` (`tests/fake_imagenet.py`): the batches of
+`StreamingEvalSplit` against the records read directly from TFDS and
+preprocessed one by one; simulated processes; worker processes; the
+in-memory analysis subset; bounded host memory; the training binary, the
+evaluation mode and the carve mode on a streaming config with `pp_eval`
+against a direct evaluation of the records; the per-process Grain states
+of a streaming run's checkpoint; errors naming their field.
+"""
+
+from __future__ import annotations
+
+import json
+import tracemalloc
+
+import jax
+import ml_collections
+import numpy as np
+import optax
+import pytest
+
+pytest.importorskip("tensorflow_datasets")
+pytest.importorskip("grain.python")
+
+import tensorflow_datasets as tfds  # noqa: E402
+
+from fake_imagenet import (N_TRAIN, N_VAL, PP_EVAL, SIDE, build,  # noqa: E402
+                           stream_config)
+from vmoe_ext import main  # noqa: E402
+from vmoe_ext.data import pp  # noqa: E402
+from vmoe_ext.data import stream_iterator  # noqa: E402
+from vmoe_ext.data.stream_eval import StreamingEvalSplit  # noqa: E402
+from vmoe_ext.data.stream_iterator import StreamingTrainIterator  # noqa: E402
+from vmoe_ext.errors import ConfigError, InputError  # noqa: E402
+from vmoe_ext.models import build_model  # noqa: E402
+from vmoe_ext.train import loop  # noqa: E402
+from vmoe_ext.train.validate import validate_config  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+  return build(str(tmp_path_factory.mktemp("tfds")))
+
+
+def eval_data(data_dir, **data):
+  return dict(stream_config(data_dir, pp_eval=PP_EVAL, **data).data)
+
+
+def direct(data_dir, split="validation", spec=PP_EVAL):
+  """Every record of `split`, read with TFDS and preprocessed one by one:
+  `(images [N, S, S, 3], labels [N])`."""
+  source = tfds.data_source("imagenet2012", split=split, data_dir=data_dir,
+                            download=False, try_gcs=False,
+                            decoders={"image": tfds.decode.SkipDecoding()})
+  pipeline = pp.parse(spec)
+  images = [pipeline(source[i]["image"]) for i in range(len(source))]
+  labels = [int(source[i]["label"]) for i in range(len(source))]
+  return np.stack(images).astype(np.float32), np.asarray(labels, np.int32)
+
+
+def concat(batches):
+  """`(images, labels)` of the real rows of padded batches, in order."""
+  images = np.concatenate([b["image"][b["mask"]] for b in batches])
+  labels = np.concatenate([b["label"][b["mask"]] for b in batches])
+  return images, labels
+
+
+def test_batches_are_every_record_once_in_order_padded(data_dir):
+  images, labels = direct(data_dir)
+  split = StreamingEvalSplit(eval_data(data_dir))
+  assert len(split) == N_VAL and split.num_classes == 1000
+  batches = list(split.batches(6))
+  assert [b["image"].shape for b in batches] == [(6, SIDE, SIDE, 3)] * 3
+  assert [b["mask"].tolist() for b in batches][-1] == [True] * 4 + [False] * 2
+  assert batches[-1]["label"][4:].tolist() == [0, 0]
+  assert not batches[-1]["image"][4:].any()
+  got_images, got_labels = concat(batches)
+  np.testing.assert_array_equal(got_labels, labels)
+  np.testing.assert_array_equal(got_images, images)
+  assert all(b["label"].dtype == np.int32 and b["image"].dtype == np.float32
+             for b in batches)
+
+
+def test_max_examples_limits_the_split_to_its_first_records(data_dir):
+  images, labels = direct(data_dir)
+  split = StreamingEvalSplit(eval_data(data_dir, max_examples=5))
+  assert len(split) == 5
+  got_images, got_labels = concat(list(split.batches(4)))
+  np.testing.assert_array_equal(got_labels, labels[:5])
+  np.testing.assert_array_equal(got_images, images[:5])
+
+
+@pytest.mark.parametrize("count, batch", [(2, 8), (3, 6), (5, 5)])
+def test_simulated_processes_share_the_split_in_equal_steps(data_dir, count,
+                                                            batch):
+  images, labels = direct(data_dir)
+  shares = [StreamingEvalSplit(eval_data(data_dir), process_index=p,
+                               process_count=count) for p in range(count)]
+  per_process = [list(s.batches(batch)) for s in shares]
+  rows = batch // count
+  m = -(-N_VAL // count)  # Records per process (the last has fewer).
+  assert {len(b) for b in per_process} == {-(-m // rows)}
+  assert all(b["image"].shape[0] == rows for bs in per_process for b in bs)
+  got = [concat(bs) for bs in per_process]
+  np.testing.assert_array_equal(np.concatenate([g[1] for g in got]), labels)
+  np.testing.assert_array_equal(np.concatenate([g[0] for g in got]), images)
+  assert [s.share() for s in shares][0] == (0, m)
+
+
+def test_worker_processes_give_the_same_batches(data_dir):
+  expected = list(StreamingEvalSplit(eval_data(data_dir)).batches(6))
+  got = list(StreamingEvalSplit(eval_data(data_dir, worker_count=2)).batches(
+      6))
+  assert len(got) == len(expected)
+  for g, e in zip(got, expected):
+    for key in ("image", "label", "mask"):
+      np.testing.assert_array_equal(np.asarray(g[key]), e[key])
+
+
+def test_analysis_subset_is_evenly_spaced_and_rescales_exactly(data_dir):
+  images, labels = direct(data_dir)
+  split = StreamingEvalSplit(eval_data(data_dir))
+  subset = split.analysis_dataset(5)
+  picks = [0, 4, 8, 11, 15]  # round(linspace(0, 15, 5))
+  np.testing.assert_array_equal(subset.labels, labels[picks])
+  assert subset.images.min() >= 0 and subset.images.max() <= 1
+  # (x - 0.5) / 0.5, the trainer's normalisation for value_range(-1, 1),
+  # gives pp_eval's output back.
+  np.testing.assert_allclose((subset.images - 0.5) / 0.5, images[picks],
+                             atol=1e-6)
+
+
+def test_host_memory_stays_bounded_while_streaming(data_dir):
+  # The 44-image train split upsampled to 256 px (so that images dominate
+  # the bookkeeping) and read as an evaluation split 3 times, 2 images read
+  # ahead, batches of 2: the memory held never approaches the split's.
+  data = eval_data(data_dir)
+  data["pp_eval"] = "decode|resize(256)|value_range(-1, 1)"
+  split = StreamingEvalSplit(data, split="train", prefetch=2)
+  image_bytes = 256 * 256 * 3 * 4
+  tracemalloc.start()
+  base = tracemalloc.get_traced_memory()[0]
+  seen = 0
+  for _ in range(3):
+    for batch in split.batches(2):
+      seen += int(batch["mask"].sum())
+  held, peak = (m - base for m in tracemalloc.get_traced_memory())
+  tracemalloc.stop()
+  del batch
+  assert seen == 3 * N_TRAIN
+  assert peak < N_TRAIN // 2 * image_bytes, peak / image_bytes
+  assert held < 4 * image_bytes, held / image_bytes
+
+
+# ------------------------------------------------------------ the binary
+
+
+def direct_loss(config, params, data_dir):
+  """Mean cross-entropy and accuracy of `params` on the whole validation
+  split, preprocessed one record at a time (no batching code shared)."""
+  images, labels = direct(data_dir)
+  model = build_model(config.model)
+  logits = np.concatenate([
+      np.asarray(model.apply({"params": params}, images[i:i + 8],
+                             deterministic=True)[0])
+      for i in range(0, N_VAL, 8)])
+  loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+  return float(np.mean(loss)), float(np.mean(logits.argmax(-1) == labels))
+
+
+@pytest.fixture(scope="module")
+def trained(data_dir, tmp_path_factory):
+  """A 4-step streaming run whose test split streams through pp_eval, with
+  the routing analysis and a small robustness section; loading the test
+  split whole would fail it."""
+
+  def forbidden(*args, **kwargs):
+    raise AssertionError("the test split must stream")
+
+  workdir = str(tmp_path_factory.mktemp("run"))
+  config = stream_config(data_dir, pp_eval=PP_EVAL, analysis_examples=8)
+  config.train.update(dict(total_steps=4, eval_every=2))
+  config.robustness = ml_collections.ConfigDict(dict(
+      num_examples=8, attacks=[dict(name="fgsm", eps=0.01)]))
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(loop, "load_tfds_split", forbidden)
+    main.run(config, workdir)
+  run = loop.setup(config, workdir)
+  assert run.restore() == 4
+  run.checkpoints.close()
+  return config, workdir, run
+
+
+def _records(workdir):
+  with open(f"{workdir}/metrics.jsonl") as f:
+    return [json.loads(line) for line in f]
+
+
+def test_training_evaluates_the_whole_streamed_split(data_dir, trained):
+  config, workdir, run = trained
+  final = [r for r in _records(workdir) if r.get("final")]
+  assert len(final) == 1 and final[0]["num_examples"] == N_VAL
+  loss, accuracy = direct_loss(config, run.state.params, data_dir)
+  np.testing.assert_allclose(final[0]["loss"], loss, rtol=1e-5)
+  assert final[0]["accuracy"] == pytest.approx(accuracy)
+  # The in-memory split is the analysis subset of data.analysis_examples.
+  assert len(run.datasets["test"]) == 8
+  assert run.eval_split is not None
+  routing = [r for r in _records(workdir) if r["split"] == "routing"]
+  attacks = [r for r in _records(workdir)
+             if r["split"].startswith("adversarial/")]
+  assert routing and attacks
+
+
+def test_evaluation_mode_streams_the_split(data_dir, trained, tmp_path):
+  config, workdir, run = trained
+  config = ml_collections.ConfigDict(config.to_dict())
+  config.robustness = ml_collections.ConfigDict(dict(
+      checkpoint_dir=workdir, num_examples=8))
+  main.run(config, str(tmp_path / "eval"))
+  final = [r for r in _records(str(tmp_path / "eval")) if r.get("final")][0]
+  loss, _ = direct_loss(config, run.state.params, data_dir)
+  assert final["num_examples"] == N_VAL
+  np.testing.assert_allclose(final["loss"], loss, rtol=1e-5)
+
+
+def test_carve_mode_calibrates_on_the_streamed_train_split(data_dir,
+                                                           tmp_path):
+  config = stream_config(data_dir, pp_eval=PP_EVAL)
+  config.model.name = "vit"
+  config.model.moe = None
+  config.train.update(dict(total_steps=2, checkpoint_every=2))
+  dense = str(tmp_path / "dense")
+  loop.train_and_evaluate(config, dense)
+  config.carve = ml_collections.ConfigDict(dict(
+      num_experts=4, num_shared=1, num_activated=1, every=1,
+      activation_markers=3, num_calibration=12, batch_size=8,
+      checkpoint_dir=dense))
+  main.run(config, str(tmp_path / "carve"))
+  records = _records(str(tmp_path / "carve"))
+  final = [r for r in records if r.get("final")][0]
+  assert final["num_examples"] == N_VAL
+  dense_test = [r for r in records if r["split"] == "dense_test"][0]
+  assert dense_test["num_examples"] == N_VAL
+  # The carved checkpoint resumes as a streaming run at the fresh position.
+  from vmoe_ext.carving.mode import carved_config
+  target = carved_config(config)
+  run = loop.setup(target, str(tmp_path / "carve"))
+  assert run.restore() == 0
+  run.checkpoints.close()
+  fresh = StreamingTrainIterator(target.data, target.seed)
+  np.testing.assert_array_equal(next(run.train_iter)["label"],
+                                next(fresh)["label"])
+
+
+def test_carve_mode_on_a_streaming_config_needs_pp_eval(data_dir, tmp_path):
+  config = stream_config(data_dir)
+  config.model.name = "vit"
+  config.model.moe = None
+  config.carve = ml_collections.ConfigDict(dict(
+      num_experts=4, num_shared=1, num_activated=1, every=1,
+      checkpoint_dir=str(tmp_path)))
+  from vmoe_ext.carving import mode
+  with pytest.raises(ConfigError) as e:
+    mode._train_split(config.data)
+  assert e.value.field == "data.pp_eval", e.value
+
+
+# ---------------------------------------------------- per-process states
+
+
+def test_simulated_process_states_resume_only_with_the_same_processes(
+    data_dir):
+  data = stream_config(data_dir).data
+  first = StreamingTrainIterator(data, 0, process_index=1, process_count=2)
+  batches = [next(first) for _ in range(3)]
+  state = json.loads(json.dumps(first.get_state()))
+  assert state["process_count"] == 2 and list(state["states"]) == ["1"]
+  resumed = StreamingTrainIterator(data, 0, process_index=1, process_count=2)
+  resumed.set_state(state)
+  straight = StreamingTrainIterator(data, 0, process_index=1,
+                                    process_count=2)
+  for _ in range(3):
+    next(straight)
+  np.testing.assert_array_equal(next(resumed)["label"],
+                                next(straight)["label"])
+  assert batches[0]["image"].shape[0] == 4  # B / P rows.
+  other = StreamingTrainIterator(data, 0, process_index=0, process_count=2)
+  with pytest.raises(InputError, match="process 0"):
+    other.set_state(state)
+  single = StreamingTrainIterator(data, 0)
+  with pytest.raises(InputError, match="saved by 2 process"):
+    single.set_state(state)
+
+
+def test_a_bare_grain_state_resumes_a_single_process(data_dir):
+  data = stream_config(data_dir).data
+  first = StreamingTrainIterator(data, 0)
+  next(first)
+  bare = first.get_state()["states"]["0"]  # Checkpoints before this change.
+  resumed = StreamingTrainIterator(data, 0)
+  resumed.set_state(bare)
+  np.testing.assert_array_equal(next(resumed)["label"],
+                                next(first)["label"])
+
+
+def test_allgather_of_one_process_is_its_own_text():
+  assert jax.process_count() == 1
+  assert stream_iterator._allgather_text('{"a": 1}') == ['{"a": 1}']
+
+
+# ------------------------------------------------------------------ errors
+
+
+@pytest.mark.parametrize("data, field", [
+    (dict(pp_eval="decode|flip_lr|value_range(-1, 1)"), "data.pp_eval"),
+    (dict(pp_eval="decode|central_crop(32)|value_range(0, 1)"),
+     "data.pp_eval"),
+    (dict(pp_eval="decode|no_such_op"), "data.pp_eval"),
+    (dict(pp_eval=PP_EVAL, analysis_examples=0), "data.analysis_examples"),
+    (dict(pp_eval=PP_EVAL, streaming=False, pp_train=None), "data.pp_eval"),
+])
+def test_bad_eval_config_names_the_field(data_dir, data, field):
+  config = stream_config(data_dir)
+  config.data.update(data)
+  with pytest.raises(ConfigError) as e:
+    validate_config(config)
+  assert e.value.field == field, e.value
+
+
+def test_pp_eval_output_size_and_batch_are_checked_at_setup(data_dir,
+                                                            tmp_path):
+  config = stream_config(data_dir, pp_eval="decode|central_crop(24)|"
+                         "value_range(-1, 1)")
+  with pytest.raises(ConfigError) as e:
+    loop.setup(config, str(tmp_path / "a"))
+  assert e.value.field == "data.pp_eval" and "24" in str(e.value)
+  split = StreamingEvalSplit(eval_data(data_dir), process_index=0,
+                             process_count=3)
+  with pytest.raises(ConfigError) as e:
+    split.batches(8)
+  assert e.value.field == "data.eval_batch_size", e.value
+  config = stream_config(data_dir, pp_eval=PP_EVAL,
+                         test_split="no_such_split")
+  with pytest.raises(ConfigError) as e:
+    loop.setup(config, str(tmp_path / "b"))
+  assert e.value.field == "data.test_split", e.value
