@@ -58,6 +58,13 @@ def flag(override: str, field: Optional[str] = None) -> Case:
   return Case(override, (f"--config.{override}",), field or path)
 
 
+# A streaming TFDS data section (validated before any data is read).
+_STREAM = ('c.data = dict(name="tfds", tfds_name="imagenet2012", '
+           'data_dir="/nonexistent", batch_size=8, eval_batch_size=8, '
+           'image_size=32, streaming=True, pp_train="decode_jpeg_and_'
+           'inception_crop(32)|flip_lr|value_range(-1, 1)")\n')
+
+
 def config_file(name: str, body: str, field: str) -> Case:
   """A config file in the scratch dir: tiny's config, then `body` on `c`."""
   source = ("from vmoe_ext.train.config_files import load_config\n\n\n"
@@ -307,6 +314,17 @@ CASES: list[Case] = [
                 'checkpoint="/b", layout="vmoe")', "init.checkpoint"),
     config_file("init-upcycle-vmoe", 'c.init = dict(checkpoint="/b", '
                 'layout="vmoe", upcycle=True)', "init.upcycle"),
+    config_file("pp-eval-random", _STREAM + 'c.data.pp_eval = '
+                '"decode|flip_lr|value_range(-1, 1)"', "data.pp_eval"),
+    config_file("pp-eval-other-range", _STREAM + 'c.data.pp_eval = '
+                '"decode|central_crop(32)|value_range(0, 1)"', "data.pp_eval"),
+    config_file("pp-eval-unknown-op", _STREAM + 'c.data.pp_eval = '
+                '"decode|crop_center(32)"', "data.pp_eval"),
+    config_file("pp-eval-without-streaming", _STREAM + 'c.data.update('
+                'streaming=False, pp_train=None, pp_eval="decode")',
+                "data.pp_eval"),
+    config_file("analysis-examples-zero", _STREAM +
+                "c.data.analysis_examples = 0", "data.analysis_examples"),
     vmoe_import("init.checkpoint=/nonexistent/vmoe", "init.checkpoint"),
     vmoe_import("init.layout=bogus", "init.layout"),
     vmoe_import("init.format=bogus", "init.format"),
