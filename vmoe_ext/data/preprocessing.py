@@ -11,7 +11,7 @@ accelerator.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -47,18 +47,23 @@ def resize(images: np.ndarray, image_size: int) -> np.ndarray:
   return np.einsum("pw,nowc->nopc", ww, out).astype(np.float32)
 
 
-def stack_images(images: Sequence[np.ndarray], image_size: int | None,
+def stack_images(images: Sequence[np.ndarray],
+                 image_size: int | Callable[[np.ndarray], np.ndarray] | None,
                  name: str, field: str, channels: int = 1) -> np.ndarray:
   """Stacks decoded images `[H_i, W_i, C]` into `[N, S, S, C]` float32.
 
-  With `image_size` each image is resized to a square of that side first
-  (images of different shapes are then fine); without it all images must
-  share one shape (a `ConfigError` naming `field` otherwise). An empty list
-  gives `[0, S or 1, S or 1, channels]`.
+  With an int `image_size` each image is resized to a square of that side
+  first (images of different shapes are then fine); a callable one maps
+  each [0, 1] image to its `[S, S, C]` [0, 1] input instead (e.g.
+  `stream_eval.EvalFit`: the eval preprocessing string); without it all
+  images must share one shape (a `ConfigError` naming `field` otherwise).
+  An empty list gives `[0, S or 1, S or 1, channels]`.
   """
   if not images:
-    side = image_size or 1
+    side = image_size if isinstance(image_size, int) else 1
     return np.zeros((0, side, side, channels), np.float32)
+  if callable(image_size):
+    return np.stack([image_size(x) for x in images]).astype(np.float32)
   if image_size is not None:
     return np.concatenate([resize(x[None], image_size) for x in images])
   shapes = {x.shape for x in images}

@@ -53,6 +53,28 @@ def streams_evaluation(data: Mapping[str, Any]) -> bool:
               and data.get("pp_eval"))
 
 
+class EvalFit:
+  """`data.pp_eval` applied to one decoded [0, 1] image `[H, W, C]`, its
+  output mapped back to [0, 1] (`[S, S, C]`): how the evaluation datasets
+  that are read image by image (ImageNet-A/R/O; `evaluate.datasets`) get
+  the eval preprocessing. A leading `decode` is skipped (the readers
+  decode); the [0, 1] pixels are rounded back to the uint8 values they were
+  decoded from."""
+
+  def __init__(self, spec: str):
+    from vmoe_ext.data import pp  # pylint: disable=g-import-not-at-top
+    pipeline = pp.parse(spec, PP_EVAL_FIELD)
+    self.mean, self.std = pp_normalization(pipeline)
+    ops = pipeline.ops[1:] if pipeline.names[0] == "decode" else pipeline.ops
+    self.pipeline = pp.Pipeline(list(ops))
+
+  def __call__(self, image: np.ndarray) -> np.ndarray:
+    pixels = np.round(np.clip(image, 0.0, 1.0) * 255.0).astype(np.uint8)
+    out = np.asarray(self.pipeline(pixels), np.float32)
+    return np.clip(out * np.asarray(self.std, np.float32)
+                   + np.asarray(self.mean, np.float32), 0.0, 1.0)
+
+
 class _PadBatch:
   """`[n <= b]` stacked examples -> `[b]` with `mask` (picklable)."""
 
@@ -204,4 +226,5 @@ class StreamingEvalSplit:
                         f"{self.name}[{len(labels)} of {self._len}]")
 
 
-__all__ = ["PP_EVAL_FIELD", "StreamingEvalSplit", "streams_evaluation"]
+__all__ = ["EvalFit", "PP_EVAL_FIELD", "StreamingEvalSplit",
+           "streams_evaluation"]

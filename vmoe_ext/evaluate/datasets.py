@@ -43,7 +43,11 @@ read batch by batch without TensorFlow) or a folder source
 takes that many evenly spaced examples. Every image is resized to the model's
 input size (`data.image_size`, else the test images' size) with the same
 square resize as the training pipeline, and must have the test images' number
-of channels.
+of channels; except that with a streamed test split (`data.pp_eval`) the
+images of `accuracy` and `ood` sources (full-size photos: ImageNet-A/R/O) go
+through `data.pp_eval` instead (`stream_eval.EvalFit`, e.g.
+resize_small(256) + central_crop(224)); corrupted sets (ImageNet-C: already
+224 px crops) keep the square resize.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ import numpy as np
 from vmoe_ext.data.corruptions import CORRUPTIONS
 from vmoe_ext.data.dataset import ArrayDataset
 from vmoe_ext.data.readers import ArrayReader, ExampleReader, evenly_spaced
+from vmoe_ext.data.stream_eval import EvalFit, streams_evaluation
 from vmoe_ext.errors import ConfigError, require
 from vmoe_ext.evaluate.corruption_metrics import (ALEXNET_ERRORS,
                                                   corruption_errors, mce,
@@ -222,6 +227,11 @@ class _Context:
         test.images.shape[1])
     self.channels = int(test.images.shape[-1])
     self.data_dir = data_config.get("data_dir", None)
+    # Full-size images (ImageNet-A/R/O) get the eval preprocessing of a
+    # streaming config (resize_small + central_crop), not a square resize.
+    self.fit = self.image_size
+    if streams_evaluation(data_config):
+      self.fit = EvalFit(data_config["pp_eval"])
 
   def open(self, source: Any, field: str, tfds_name: Optional[str] = None
            ) -> ExampleReader:
@@ -241,13 +251,16 @@ class _Context:
     return TfdsReader(config, source["split"], prefix=field)
 
   def predict(self, reader: ExampleReader, source: Any, field: str,
-              desc: str) -> tuple[np.ndarray, np.ndarray]:
-    """Logits and labels of the (evenly spaced, `max_examples`) examples."""
+              desc: str, fit: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Logits and labels of the (evenly spaced, `max_examples`) examples;
+    `fit`: through `self.fit` (the run's own test images never: they are
+    preprocessed already)."""
     max_examples = None if source == "test" else source.get("max_examples")
+    size = self.fit if fit and source != "test" else self.image_size
     logits, labels = self.evaluator.predict(
         reader, self.batch_size,
         indices=evenly_spaced(len(reader), max_examples),
-        image_size=self.image_size, desc=desc)
+        image_size=size, desc=desc)
     require(len(labels) > 0, field, f"{reader.name} has no examples")
     return logits, labels
 
@@ -277,7 +290,7 @@ def evaluate_accuracy(ctx: _Context, name: str, entry: Mapping[str, Any],
   ctx.check_channels(reader, f"{field}.source")
   subset = entry["class_subset"]
   logits, labels = ctx.predict(reader, entry["source"], f"{field}.source",
-                               desc=name)
+                               desc=name, fit=True)
   num_classes = logits.shape[1]
   if subset is not None:
     require(max(subset) < num_classes, f"{field}.class_subset",
@@ -312,10 +325,10 @@ def evaluate_ood(ctx: _Context, name: str, entry: Mapping[str, Any],
   ctx.check_channels(out_reader, f"{field}.source")
   ctx.check_channels(in_reader, f"{field}.in_source")
   logits_out, _ = ctx.predict(out_reader, entry["source"], f"{field}.source",
-                              desc=f"{name} (out)")
+                              desc=f"{name} (out)", fit=True)
   logits_in, labels_in = ctx.predict(in_reader, entry["in_source"],
                                      f"{field}.in_source",
-                                     desc=f"{name} (in)")
+                                     desc=f"{name} (in)", fit=True)
   subset = entry["class_subset"]
   if subset is not None:
     require(max(subset) < logits_in.shape[1], f"{field}.class_subset",
