@@ -353,3 +353,39 @@ def test_a_multi_process_training_run_is_refused_before_reading(
   monkeypatch.setattr(jax, "process_count", lambda: 2)
   with pytest.raises(InputError, match="multi-process training"):
     loop.setup(stream_config(data_dir), str(tmp_path / "run"))
+
+
+# ------------------------------------------- evaluation datasets via pp_eval
+
+
+def test_eval_fit_of_a_decoded_image_equals_pp_eval_of_its_bytes(data_dir):
+  from vmoe_ext.data.stream_eval import EvalFit
+  from vmoe_ext.data.tfds_adapter import TfdsReader
+  images, _ = direct(data_dir)  # pp_eval of the JPEG bytes, in [-1, 1].
+  reader = TfdsReader({"tfds_name": "imagenet2012", "data_dir": data_dir},
+                      "validation")
+  fit = EvalFit(PP_EVAL)
+  got, _ = reader.read(np.arange(N_VAL), fit)  # Decoded, then pp_eval.
+  np.testing.assert_allclose(got * 2 - 1, images, atol=1e-6)
+  square, _ = reader.read(np.arange(N_VAL), SIDE)  # The square resize.
+  assert np.abs(square * 2 - 1 - images).max() > 0.1
+
+
+def test_accuracy_datasets_of_a_streaming_run_go_through_pp_eval(
+    data_dir, trained):
+  from vmoe_ext.evaluate import datasets as eval_datasets
+  from vmoe_ext.evaluate.evaluator import Evaluator
+  config, _, run = trained
+  images, labels = direct(data_dir)
+  model = build_model(config.model)
+  want = np.asarray(model.apply(run.state.variables(), images,
+                                deterministic=True)[0])
+  ctx = eval_datasets._Context(
+      Evaluator(model, run.state.variables(), 0.5, 0.5),
+      run.datasets["test"], config.data, batch_size=8)
+  source = {"tfds_name": "imagenet2012", "split": "validation",
+            "max_examples": None}
+  reader = ctx.open(source, "robustness.datasets.x.source")
+  logits, got_labels = ctx.predict(reader, source, "f", desc="x", fit=True)
+  np.testing.assert_array_equal(got_labels, labels)
+  np.testing.assert_allclose(logits, want, atol=2e-5)

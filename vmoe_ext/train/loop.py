@@ -22,7 +22,7 @@ from vmoe_ext.data import (ArrayDataset, TrainIterator, default_normalization,
 from vmoe_ext.data.stream_eval import StreamingEvalSplit, streams_evaluation
 from vmoe_ext.data.stream_iterator import StreamingTrainIterator
 from vmoe_ext.data.tfds_adapter import load_tfds_split
-from vmoe_ext.errors import require
+from vmoe_ext.errors import InputError, require
 from vmoe_ext.models import build_model
 from vmoe_ext.reporting.report import listify, write_report
 from vmoe_ext.reporting.writers import (MetricWriter, duration, progress_bar,
@@ -112,6 +112,14 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
   train step is compiled.
   """
   validate_config(config)
+  # The streaming loaders shard per process and gather their states, but
+  # the step does not yet take per-process batches as one global array:
+  # each process would train on its own batch alone.
+  if jax.process_count() > 1:
+    raise InputError("jax.process_count()", f"is {jax.process_count()}: "
+                     "multi-process training is not supported yet (the "
+                     "per-process batches are not assembled into global "
+                     "arrays); run a single process per job")
   eval_split = None
   if config.data.get("streaming", False):
     datasets, train_iter, sample, num_classes, eval_split = _streaming_data(
@@ -328,8 +336,8 @@ def _train(run: Run, writer: MetricWriter, history: list, sigterm: list,
   # `check_finite` before anything is logged, evaluated or saved.
   train_step = jax.jit(make_train_step(
       run.model, label_smoothing=config.train.get("label_smoothing", 0.0),
-      learning_rate_fn=make_learning_rate(config.optimizer)),
-                       donate_argnums=0)
+      learning_rate_fn=make_learning_rate(config.optimizer),
+      mixup=config.train.get("mixup")), donate_argnums=0)
   save = lambda: run.save(metrics_lines=writer.num_lines(),
                           history=_history_to_json(history))
   # Throughput from the end of the first step on (it includes compiling).

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from vmoe_ext.data.mixup import check_config, mixup_jax
 from vmoe_ext.moe.contract import ROUTER_STATE
 from vmoe_ext.reporting.writers import MAX_ARRAY_SIZE
 from vmoe_ext.train.state import TrainState
@@ -24,14 +25,51 @@ ROUTING_METRICS = ("drop_rate", "expert_load", "importance_loss", "load_loss",
                    "auxiliary_loss")
 
 
-def cross_entropy(logits: Array, labels: Array,
-                  label_smoothing: float = 0.0) -> Array:
-  """Per-example cross-entropy `[B]` with optional label smoothing."""
-  num_classes = logits.shape[-1]
-  targets = jax.nn.one_hot(labels, num_classes)
+def soft_targets(labels: Array, num_classes: int,
+                 label_smoothing: float = 0.0) -> Array:
+  """Targets `[B, classes]`: one-hot of integer labels `[B]` (soft targets
+  `[B, classes]` are taken as they are), label-smoothed by
+  `optax.smooth_labels` when `label_smoothing` > 0."""
+  targets = (labels if labels.ndim == 2
+             else jax.nn.one_hot(labels, num_classes))
   if label_smoothing:
     targets = optax.smooth_labels(targets, label_smoothing)
+  return targets
+
+
+def cross_entropy(logits: Array, labels: Array,
+                  label_smoothing: float = 0.0) -> Array:
+  """Per-example cross-entropy `[B]` against integer labels `[B]` or soft
+  targets `[B, classes]` (e.g. mixed), with optional label smoothing (see
+  `soft_targets`)."""
+  targets = soft_targets(labels, logits.shape[-1], label_smoothing)
   return optax.softmax_cross_entropy(logits, targets)
+
+
+# Folded into the step key (`jax.random.fold_in`) for the mixup weights:
+# "mix" in ASCII. The gating and dropout keys stay the split of the step key,
+# so a run without mixup is bit-identical to one built without the argument.
+MIXUP_KEY_DATA = 0x6d6978
+
+
+def mixup_options(mixup: Mapping[str, Any] | None) -> dict | None:
+  """The `mixup_jax` keyword arguments of a `train.mixup` section, or None
+  when mixup is off (no section, concentration 0 or None).
+
+  Fills vmoe's defaults (size 2, granularity "device") and resolves
+  `groups=None` to `jax.device_count()` (vmoe: one group per device), a
+  static value fixed when the step is built. Raises ConfigError (fields
+  relative to the section) on invalid fields.
+  """
+  if mixup is None:
+    return None
+  options = dict(concentration=mixup.get("concentration"),
+                 size=mixup.get("size", 2),
+                 granularity=mixup.get("granularity", "device"))
+  if not check_config(**options):
+    return None
+  groups = mixup.get("groups")
+  return dict(options, groups=jax.device_count() if groups is None else groups)
 
 
 def routing_summary(metrics: dict[str, Any],
@@ -83,7 +121,8 @@ def all_finite(tree: Any) -> Array:
 
 def make_train_step(model: nn.Module, *, label_smoothing: float = 0.0,
                     learning_rate_fn: Callable[[Array], Array] | None = None,
-                    guard_weights: bool = True
+                    guard_weights: bool = True,
+                    mixup: Mapping[str, Any] | None = None
                     ) -> Callable[[TrainState, Batch], tuple[TrainState,
                                                              dict]]:
   """Returns `train_step(state, batch) -> (state, metrics)` (not jitted).
@@ -97,20 +136,36 @@ def make_train_step(model: nn.Module, *, label_smoothing: float = 0.0,
   with `donate_argnums=0`. `guard_weights=False` checks only the loss and
   gradient norm (for benchmarks: `benchmarks/train_step.py` measures the
   cost of checking the weights).
+
+  `mixup` (a `train.mixup` section, see `mixup_options`): when on, the
+  integer labels become one-hot targets, label-smoothed *before* mixing, and
+  images and targets are mixed by `vmoe_ext.data.mixup.mixup_jax` with the
+  key `fold_in(step_key, MIXUP_KEY_DATA)`; the loss is the mean soft-target
+  cross-entropy. The train `accuracy` stays against `batch["label"]`, the
+  label of the example that keeps the largest mixing weight (>= 1 / size);
+  with vmoe's `size=2` that label is always a largest component of its mixed
+  target (with more, neighbours sharing a label can outweigh it).
   """
+  mix = mixup_options(mixup)
+  smoothing = 0.0 if mix else label_smoothing  # With mixup: before mixing.
 
   def train_step(state: TrainState, batch: Batch):
     key = state.step_key()
     gating, dropout = jax.random.split(key)
     mutable = list(state.collections)
+    images, targets = batch["image"], batch["label"]
+    if mix:
+      targets = soft_targets(targets, model.num_classes, label_smoothing)
+      images, targets = mixup_jax(jax.random.fold_in(key, MIXUP_KEY_DATA),
+                                  images, targets, **mix)
 
     def loss_fn(params):
       variables = {"params": params, **state.collections}
-      out = model.apply(variables, batch["image"], deterministic=False,
+      out = model.apply(variables, images, deterministic=False,
                         rngs={"gating": gating, "dropout": dropout},
                         mutable=mutable or False, update_state=True)
       (logits, metrics), new_collections = out if mutable else (out, {})
-      ce = jnp.mean(cross_entropy(logits, batch["label"], label_smoothing))
+      ce = jnp.mean(cross_entropy(logits, targets, smoothing))
       loss = ce + metrics["auxiliary_loss"]
       return loss, (ce, logits, metrics, new_collections)
 

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 from typing import Optional
 
+import jax
 import ml_collections
 
 from vmoe_ext.config import CONFIG, SECTIONS, validate
 from vmoe_ext.errors import field_scope, require
 from vmoe_ext.train.optimizer import make_optimizer
+from vmoe_ext.train.steps import mixup_options
 
 TRAIN_FIELDS = tuple(CONFIG.fields_of({})["train"].fields)
 
@@ -38,6 +40,28 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   require(not (robustness is not None and robustness.get("from_init"))
           or config.get("init") is not None, "robustness.from_init",
           "evaluates the params the init section loads, but init is None")
+  _validate_mixup(config)
+
+
+def _validate_mixup(config: ml_collections.ConfigDict) -> None:
+  """With mixup on: the batch splits into the mixing groups, and `size`
+  examples fit in one group (the groups `make_train_step` resolves)."""
+  mixup = config.train.get("mixup")
+  with field_scope("train.mixup"):
+    options = mixup_options(mixup)
+  if options is None:
+    return
+  batch, groups, size = (config.data.batch_size, options["groups"],
+                         options["size"])
+  resolved = (f"groups=None resolves to jax.device_count() = "
+              f"{jax.device_count()}, vmoe's one group per device")
+  require(batch % groups == 0, "train.mixup.groups",
+          f"data.batch_size={batch} does not split into {groups} mixing "
+          f"groups of equal size ({resolved})")
+  require(size <= batch // groups, "train.mixup.size",
+          f"{size} examples per mixed example exceed the {batch // groups} "
+          f"examples of a mixing group (data.batch_size={batch} / {groups} "
+          f"groups; {resolved})")
 
 
 def num_tokens(model, image_shape: tuple[int, ...]) -> int:
