@@ -325,6 +325,11 @@ CASES: list[Case] = [
                 "data.pp_eval"),
     config_file("analysis-examples-zero", _STREAM +
                 "c.data.analysis_examples = 0", "data.analysis_examples"),
+    config_file("mixup-groups", "c.train.mixup = dict(concentration=0.2, "
+                "groups=7)", "train.mixup.groups"),
+    config_file("mixup-size", "c.train.mixup = dict(concentration=0.2, "
+                "size=1000)", "train.mixup.size"),
+    flag("train.mixup.concentration=-1"),
     vmoe_import("init.checkpoint=/nonexistent/vmoe", "init.checkpoint"),
     vmoe_import("init.layout=bogus", "init.layout"),
     vmoe_import("init.format=bogus", "init.format"),
@@ -359,6 +364,8 @@ CASES: list[Case] = [
     valid("model.mlp_activation=swiglu"),
     valid("model.moe.shared_experts=1"),
     valid("model.moe.output_bias=once"),
+    valid("train.mixup.concentration=0.2"),
+    valid("train.mixup.granularity=example"),
 ]
 
 
