@@ -46,7 +46,11 @@ PART = re.compile(r"(?P<arch>[SBLH])(?P<patch>\d+)|(?P<where>every|last)"
                   r"image(?P<px>\d+)")
 
 
-def _parse(arg: str) -> dict:
+def parse_description(arg: str) -> dict:
+  """vmoe's paper description (`S32,last2,E8,K2`, ...) as a dict of parts.
+
+  Shared with `configs/imagenet.py`. Raises ValueError for unknown parts.
+  """
   spec = dict(arch=None, patch=None, where=None, n=None, e=8, k=2, c=1000,
               px=224)
   for part in arg.split(","):
@@ -61,7 +65,10 @@ def _parse(arg: str) -> dict:
   return spec
 
 
-def _model(spec: dict) -> dict:
+def vmoe_model(spec: dict) -> dict:
+  """The model vmoe's `get_vmoe_config` builds for a parsed description,
+  with vmoe's evaluation overrides (capacity factor 4); shared with
+  `configs/imagenet.py`, which sets the training values."""
   hidden, layers, mlp, heads = VARIANTS[spec["arch"]]
   patch, n, classes = int(spec["patch"]), int(spec["n"]), int(spec["c"])
   tokens = (int(spec["px"]) // patch) ** 2 + 1
@@ -100,8 +107,8 @@ def get_config(arg=None):
     config.robustness.num_examples = 200
     config.robustness.attacks = (dict(name="fgsm", eps=0.05),)
     return config
-  spec = _parse(arg or "S32,last2,E8,K2")
-  config.model = ml_collections.ConfigDict(_model(spec))
+  spec = parse_description(arg or "S32,last2,E8,K2")
+  config.model = ml_collections.ConfigDict(vmoe_model(spec))
   config.init.checkpoint = (
       "./vmoe_checkpoints/vmoe_s32_last2_ilsvrc2012_randaug_light1")
   config.data = ml_collections.ConfigDict(dict(
