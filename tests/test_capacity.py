@@ -4,6 +4,7 @@ google-research/vmoe's `vmoe.moe.compute_capacity` (num_tokens = S * K,
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from vmoe_ext.errors import ConfigError
@@ -47,3 +48,43 @@ def test_errors_name_the_field(kwargs, field):
               num_experts=2)
   with pytest.raises(ConfigError, match=field):
     compute_capacity(**{**args, **kwargs})
+
+
+def _vmoe(**moe):
+  import jax  # pylint: disable=g-import-not-at-top
+  from vmoe_ext.models import build_model  # pylint: disable=g-import-not-at-top
+  return build_model({
+      "name": "vit_moe", "num_classes": 5, "patch_size": (4, 4),
+      "hidden_size": 16, "num_layers": 2, "num_heads": 2, "mlp_dim": 32,
+      "moe": {"layers": (1,), "num_experts": 4, "group_size": 17 * 2,
+              "router": {"name": "noisy_topk", "num_selected": 2}, **moe}}
+  ), jax
+
+
+def test_eval_capacity_factor_applies_to_deterministic_calls_only():
+  low, jax = _vmoe(capacity_factor=0.25, eval_capacity_factor=4.0)
+  high, _ = _vmoe(capacity_factor=4.0)
+  plain, _ = _vmoe(capacity_factor=0.25)
+  images = jax.random.normal(jax.random.key(0), (2, 16, 16, 1))
+  variables = low.init(jax.random.key(1), images)
+  rngs = {"gating": jax.random.key(2), "dropout": jax.random.key(3)}
+  # Evaluation: exactly the model built with cf 4 (nothing dropped).
+  got, metrics = low.apply(variables, images, deterministic=True)
+  want, _ = high.apply(variables, images, deterministic=True)
+  assert float(metrics["layer_1"]["drop_rate"]) == 0.0
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  # Training: the training cf (C = ceil(34 * 2 * 0.25 / 4) = 5 of 17
+  # tokens' selections per expert: most are dropped).
+  got, metrics = low.apply(variables, images, deterministic=False, rngs=rngs)
+  want, want_metrics = plain.apply(variables, images, deterministic=False,
+                                   rngs=rngs)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  assert float(metrics["layer_1"]["drop_rate"]) == float(
+      want_metrics["layer_1"]["drop_rate"]) > 0.5
+
+
+def test_eval_capacity_factor_must_be_positive():
+  with pytest.raises(ConfigError) as e:
+    _vmoe(eval_capacity_factor=0.0)[0].init(
+        __import__("jax").random.key(0), np.zeros((1, 16, 16, 1)))
+  assert e.value.field.endswith("eval_capacity_factor"), e.value

@@ -389,3 +389,46 @@ def test_accuracy_datasets_of_a_streaming_run_go_through_pp_eval(
   logits, got_labels = ctx.predict(reader, source, "f", desc="x", fit=True)
   np.testing.assert_array_equal(got_labels, labels)
   np.testing.assert_allclose(logits, want, atol=2e-5)
+
+
+# ------------------------------------------------- a paper config, shrunk
+
+
+def test_a_paper_imagenet_config_runs_end_to_end(data_dir, tmp_path):
+  """`configs/imagenet.py:vmoe_s32_every2` (streaming with pp_eval, mixup,
+  sigmoid cross-entropy, eval capacity 4.0, the attacks) on the fake
+  ImageNet, at 32 px with a narrow 2-block model: 2 steps, then the
+  evaluation, the routing analysis and FGSM."""
+  from vmoe_ext.train.config_files import load_config
+  config = load_config("imagenet", "vmoe_s32_every2,batch_size=8")
+  assert config.data.pp_train.startswith("decode_jpeg_and_inception_crop")
+  assert config.train.loss == "sigmoid_xent" and config.train.mixup
+  config.data.update(dict(
+      data_dir=data_dir, train_split="train", image_size=SIDE,
+      eval_batch_size=8, worker_count=0, analysis_examples=8,
+      pp_train=config.data.pp_train.replace("224", str(SIDE)),
+      pp_eval=config.data.pp_eval.replace("256", "36").replace(
+          "224", str(SIDE))))
+  # 2 blocks, block 1 an MoE (every 2), to keep the compile short.
+  assert tuple(config.model.moe.layers) == (1, 3, 5, 7)
+  config.model.update(dict(patch_size=(8, 8), hidden_size=32, mlp_dim=64,
+                           num_heads=2, representation_size=32, num_layers=2))
+  config.model.moe.update(dict(group_size=8 * 17, layers=(1,)))
+  config.train.update(dict(total_steps=2, log_every=1, eval_every=0,
+                           checkpoint_every=2))
+  config.optimizer.warmup_steps = 1
+  config.robustness.num_examples = 8
+  config.robustness.attacks = config.robustness.attacks[:1]
+  config.robustness.sweep = None  # (update() would merge into the dicts.)
+  config.robustness.datasets = None
+  workdir = str(tmp_path / "run")
+  main.run(config, workdir)
+  records = _records(workdir)
+  final = [r for r in records if r.get("final")][0]
+  assert final["step"] == 2 and final["num_examples"] == N_VAL
+  train = [r for r in records if r["split"] == "train"]
+  assert len(train) == 2 and all(np.isfinite(r["loss"]) for r in train)
+  # Sigmoid cross-entropy over 1000 classes starts near 1000 log 2 with a
+  # zero head and bias -log(1000) (about 1000 * log(1 + 1/1000) + log 1000).
+  assert 5 < train[0]["cross_entropy"] < 10
+  assert [r for r in records if r["split"].startswith("adversarial/")]

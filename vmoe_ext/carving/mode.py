@@ -213,9 +213,11 @@ def _evaluate_and_report(config, spec: CarveSpec, dense_model, target,
                          result: CarveResult, source, step, workdir,
                          start) -> dict[str, Any]:
   batches = test_data(config.data)[1]
-  dense = evaluate(jax.jit(make_eval_step(dense_model)), source, batches())
+  loss = config.train.get("loss", "softmax_xent")
+  dense = evaluate(jax.jit(make_eval_step(dense_model, loss)), source,
+                   batches())
   carved_model = build_model(target.model)
-  final = evaluate(jax.jit(make_eval_step(carved_model)),
+  final = evaluate(jax.jit(make_eval_step(carved_model, loss)),
                    TrainState.for_evaluation(result.params,
                                              result.collections), batches())
   final = listify(final)

@@ -39,6 +39,9 @@ TRAIN = Section({
     "keep_checkpoints": Field("int", REQUIRED, low=1),
     "label_smoothing": Field("float", 0.0, low=0.0, high=1.0,
                              high_open=True),
+    "loss": Field("str", "softmax_xent",
+                  choices=("softmax_xent", "sigmoid_xent"),
+                  doc="vmoe's loss names; also the evaluation loss"),
     "mixup": Section({
         "concentration": Field("float", None, nullable=True, low=0.0,
                                doc="Dirichlet concentration; 0/None: off"),

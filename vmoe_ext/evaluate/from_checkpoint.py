@@ -202,7 +202,8 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict,
     # A fresh evaluation: drops earlier evaluation lines (never training
     # lines: a training workdir's evaluation goes to its own folder).
     writer.truncate(keep_lines=0)
-    final = evaluate(jax.jit(make_eval_step(model)), state, batches())
+    final = evaluate(jax.jit(make_eval_step(
+        model, config.train.get("loss", "softmax_xent"))), state, batches())
     writer.write(step, "test", final, final=True)
     sections = final_evaluations(
         model, state.variables(), test, config, writer=writer, step=step,

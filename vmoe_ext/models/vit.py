@@ -39,6 +39,7 @@ MOE_DEFAULTS: dict[str, Any] = {
     "hidden_size": None,        # H of each expert (None: the model's mlp_dim)
     "group_size": None,         # S (None: one image per group)
     "capacity_factor": 1.0,     # cf
+    "eval_capacity_factor": None,  # cf of deterministic calls (None: cf)
     "capacity_multiple": None,  # round C up to this multiple (None: 1 for
                                 # "exact" rounding, 4 for "vmoe")
     "capacity_rounding": "exact",  # "exact" | "vmoe" (ceil of the raw float)
@@ -164,6 +165,7 @@ def build_moe_layer(moe: Mapping[str, Any], mlp_dim: int, dropout_rate: float,
       hidden_size=moe["hidden_size"] or mlp_dim,
       group_size=moe["group_size"],
       capacity_factor=moe["capacity_factor"],
+      eval_capacity_factor=moe["eval_capacity_factor"],
       capacity_multiple=moe["capacity_multiple"],
       capacity_rounding=moe["capacity_rounding"],
       dispatcher=moe["dispatcher"],

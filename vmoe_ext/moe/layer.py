@@ -50,6 +50,9 @@ class MoeLayer(nn.Module):
     group_size: S, tokens per routing group (None: one image per group).
       Capacity and balancing losses are per group.
     capacity_factor: cf in `C = ceil(S*K*cf/E)`.
+    eval_capacity_factor: the cf of deterministic calls (evaluation,
+      attacks, routing analysis), None: `capacity_factor`; vmoe evaluates
+      its from-scratch models at 4.0 (`evaluate.model_overrides`).
     capacity_multiple: round C up to a multiple of this (None: the rounding
       mode's default, 1 for "exact", 4 for "vmoe").
     capacity_rounding: "exact" (ceil of `S*K*cf/E` with float noise rounded
@@ -81,6 +84,7 @@ class MoeLayer(nn.Module):
   hidden_size: int
   group_size: Optional[int] = None
   capacity_factor: float = 1.0
+  eval_capacity_factor: Optional[float] = None
   capacity_multiple: Optional[int] = None
   capacity_rounding: str = "exact"
   dispatcher: str = "indices"
@@ -97,6 +101,9 @@ class MoeLayer(nn.Module):
     DISPATCHERS.check(self.dispatcher)
     require(self.capacity_factor is not None and self.capacity_factor > 0,
             "moe.capacity_factor", f"must be > 0, got {self.capacity_factor}")
+    require(self.eval_capacity_factor is None
+            or self.eval_capacity_factor > 0, "moe.eval_capacity_factor",
+            f"must be > 0 or None, got {self.eval_capacity_factor}")
     require(self.group_size is None or self.group_size > 0, "moe.group_size",
             f"must be positive or None, got {self.group_size}")
     require(self.capacity_rounding in ROUNDINGS, "moe.capacity_rounding",
@@ -154,8 +161,10 @@ class MoeLayer(nn.Module):
               "layer's assignment, so it cannot route the first MoE layer")
     xg = group_tokens(x, self.group_size)
     num_groups, s, _ = xg.shape
-    capacity = compute_capacity(s, self.router.slots_per_token,
-                                self.capacity_factor, e,
+    factor = self.capacity_factor
+    if deterministic and self.eval_capacity_factor is not None:
+      factor = self.eval_capacity_factor
+    capacity = compute_capacity(s, self.router.slots_per_token, factor, e,
                                 self.capacity_multiple,
                                 rounding=self.capacity_rounding)
     out = self.router(xg, ctx.replace(primary=record), capacity=capacity,

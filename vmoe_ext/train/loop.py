@@ -72,7 +72,8 @@ class Run:
   def evaluate(self, split: str = "test") -> dict[str, Any]:
     """Accuracy, top-5, loss and routing metrics of `split` (jitted once)."""
     if self._eval_step is None:
-      self._eval_step = jax.jit(make_eval_step(self.model))
+      self._eval_step = jax.jit(make_eval_step(
+          self.model, self.config.train.get("loss", "softmax_xent")))
     return evaluate(self._eval_step, self.state, self.eval_batches(split))
 
   def eval_batches(self, split: str = "test") -> Iterator[dict]:
@@ -337,7 +338,9 @@ def _train(run: Run, writer: MetricWriter, history: list, sigterm: list,
   train_step = jax.jit(make_train_step(
       run.model, label_smoothing=config.train.get("label_smoothing", 0.0),
       learning_rate_fn=make_learning_rate(config.optimizer),
-      mixup=config.train.get("mixup")), donate_argnums=0)
+      mixup=config.train.get("mixup"),
+      loss_type=config.train.get("loss", "softmax_xent")),
+                       donate_argnums=0)
   save = lambda: run.save(metrics_lines=writer.num_lines(),
                           history=_history_to_json(history))
   # Throughput from the end of the first step on (it includes compiling).

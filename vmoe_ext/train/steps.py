@@ -37,12 +37,23 @@ def soft_targets(labels: Array, num_classes: int,
   return targets
 
 
+# `train.loss`: vmoe's `get_loss_fn` names.
+LOSSES = ("softmax_xent", "sigmoid_xent")
+
+
 def cross_entropy(logits: Array, labels: Array,
-                  label_smoothing: float = 0.0) -> Array:
-  """Per-example cross-entropy `[B]` against integer labels `[B]` or soft
-  targets `[B, classes]` (e.g. mixed), with optional label smoothing (see
-  `soft_targets`)."""
+                  label_smoothing: float = 0.0,
+                  loss: str = "softmax_xent") -> Array:
+  """Per-example loss `[B]` against integer labels `[B]` or soft targets
+  `[B, classes]` (e.g. mixed), with optional label smoothing (see
+  `soft_targets`): "softmax_xent" `-sum_c t_c log softmax(z)_c`, or vmoe's
+  "sigmoid_xent" `sum_c BCE(sigmoid(z_c), t_c)` (one binary classifier per
+  class, summed over the classes, as vmoe trains on ImageNet)."""
   targets = soft_targets(labels, logits.shape[-1], label_smoothing)
+  if loss == "sigmoid_xent":
+    return jnp.sum(optax.sigmoid_binary_cross_entropy(logits, targets), -1)
+  if loss != "softmax_xent":
+    raise ValueError(f"unknown loss {loss!r}; expected one of {LOSSES}")
   return optax.softmax_cross_entropy(logits, targets)
 
 
@@ -122,12 +133,15 @@ def all_finite(tree: Any) -> Array:
 def make_train_step(model: nn.Module, *, label_smoothing: float = 0.0,
                     learning_rate_fn: Callable[[Array], Array] | None = None,
                     guard_weights: bool = True,
-                    mixup: Mapping[str, Any] | None = None
+                    mixup: Mapping[str, Any] | None = None,
+                    loss_type: str = "softmax_xent"
                     ) -> Callable[[TrainState, Batch], tuple[TrainState,
                                                              dict]]:
   """Returns `train_step(state, batch) -> (state, metrics)` (not jitted).
 
-  The loss is mean cross-entropy plus the model's summed auxiliary loss.
+  The loss is the mean of `cross_entropy(..., loss_type)` (`train.loss`:
+  softmax or vmoe's sigmoid cross-entropy) plus the model's summed
+  auxiliary loss.
   Non-parameter collections (e.g. router state) are updated with the model's
   mutations (the model is applied with `update_state=True`). NaN guard on the
   device: if the loss, the gradient norm, or any updated parameter, optimizer
@@ -165,7 +179,7 @@ def make_train_step(model: nn.Module, *, label_smoothing: float = 0.0,
                         rngs={"gating": gating, "dropout": dropout},
                         mutable=mutable or False, update_state=True)
       (logits, metrics), new_collections = out if mutable else (out, {})
-      ce = jnp.mean(cross_entropy(logits, targets, smoothing))
+      ce = jnp.mean(cross_entropy(logits, targets, smoothing, loss_type))
       loss = ce + metrics["auxiliary_loss"]
       return loss, (ce, logits, metrics, new_collections)
 
@@ -197,8 +211,10 @@ def make_train_step(model: nn.Module, *, label_smoothing: float = 0.0,
   return train_step
 
 
-def make_eval_step(model: nn.Module) -> Callable[[TrainState, Batch], dict]:
-  """Returns `eval_step(state, batch) -> sums` (not jitted).
+def make_eval_step(model: nn.Module, loss_type: str = "softmax_xent"
+                   ) -> Callable[[TrainState, Batch], dict]:
+  """Returns `eval_step(state, batch) -> sums` (not jitted); the summed
+  `loss` is the run's `train.loss` (`cross_entropy`).
 
   `batch["mask"]` marks real examples (padding is False). The returned sums
   (`count`, `correct_top1`, `correct_top5`, `loss`) are over real examples;
@@ -217,7 +233,8 @@ def make_eval_step(model: nn.Module) -> Callable[[TrainState, Batch], dict]:
         "count": jnp.sum(mask),
         "correct_top1": jnp.sum(mask * (jnp.argmax(logits, -1) == labels)),
         "correct_top5": jnp.sum(mask * in_top5),
-        "loss": jnp.sum(mask * cross_entropy(logits, labels)),
+        "loss": jnp.sum(mask * cross_entropy(logits, labels,
+                                             loss=loss_type)),
         # The load loss is only defined with router noise (training).
         "routing": routing_summary(metrics, exclude=("load_loss",)),
     }
