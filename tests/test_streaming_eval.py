@@ -35,7 +35,6 @@ from vmoe_ext.data.stream_iterator import StreamingTrainIterator  # noqa: E402
 from vmoe_ext.errors import ConfigError, InputError  # noqa: E402
 from vmoe_ext.models import build_model  # noqa: E402
 from vmoe_ext.train import loop  # noqa: E402
-from vmoe_ext.train.validate import validate_config  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -311,22 +310,6 @@ def test_allgather_of_one_process_is_its_own_text():
 
 
 # ------------------------------------------------------------------ errors
-
-
-@pytest.mark.parametrize("data, field", [
-    (dict(pp_eval="decode|flip_lr|value_range(-1, 1)"), "data.pp_eval"),
-    (dict(pp_eval="decode|central_crop(32)|value_range(0, 1)"),
-     "data.pp_eval"),
-    (dict(pp_eval="decode|no_such_op"), "data.pp_eval"),
-    (dict(pp_eval=PP_EVAL, analysis_examples=0), "data.analysis_examples"),
-    (dict(pp_eval=PP_EVAL, streaming=False, pp_train=None), "data.pp_eval"),
-])
-def test_bad_eval_config_names_the_field(data_dir, data, field):
-  config = stream_config(data_dir)
-  config.data.update(data)
-  with pytest.raises(ConfigError) as e:
-    validate_config(config)
-  assert e.value.field == field, e.value
 
 
 def test_pp_eval_output_size_and_batch_are_checked_at_setup(data_dir,

@@ -18,7 +18,8 @@ import pytest
 pytest.importorskip("tensorflow_datasets")
 pytest.importorskip("grain.python")
 
-from fake_imagenet import N_TRAIN, N_VAL, SIDE, build, stream_config  # noqa: E402,E501
+from fake_imagenet import (N_TRAIN, N_VAL, PP_EVAL, SIDE, build,  # noqa: E402
+                           stream_config)
 from resume_check import straight_vs_resumed  # noqa: E402
 from vmoe_ext.data import loader, tfds_adapter  # noqa: E402
 from vmoe_ext.data.stream_iterator import StreamingTrainIterator  # noqa: E402
@@ -100,6 +101,12 @@ def test_kill_and_resume_gives_identical_params(data_dir, tmp_path):
     (dict(image_size=None), "data.image_size"),
     (dict(mean=0.2), "data.mean"),
     (dict(streaming=False), "data.pp_train"),  # pp_train without streaming.
+    (dict(pp_eval="decode|flip_lr|value_range(-1, 1)"), "data.pp_eval"),
+    (dict(pp_eval="decode|central_crop(32)|value_range(0, 1)"),
+     "data.pp_eval"),
+    (dict(pp_eval="decode|no_such_op"), "data.pp_eval"),
+    (dict(pp_eval=PP_EVAL, analysis_examples=0), "data.analysis_examples"),
+    (dict(pp_eval=PP_EVAL, streaming=False, pp_train=None), "data.pp_eval"),
 ])
 def test_bad_streaming_config_names_the_field(data_dir, data, field):
   config = stream_config(data_dir)
