@@ -226,5 +226,15 @@ class StreamingEvalSplit:
                         f"{self.name}[{len(labels)} of {self._len}]")
 
 
+def open_test_split(data: Mapping[str, Any]) -> StreamingEvalSplit:
+  """The streamed test split of a `data.pp_eval` config, checked before
+  anything compiles: pp_eval's output side is `data.image_size`, and
+  `data.eval_batch_size` divides over the processes."""
+  split = StreamingEvalSplit(data)
+  split.check_image_size(data["image_size"])
+  split.num_batches(data["eval_batch_size"])
+  return split
+
+
 __all__ = ["EvalFit", "PP_EVAL_FIELD", "StreamingEvalSplit",
-           "streams_evaluation"]
+           "open_test_split", "streams_evaluation"]

@@ -21,7 +21,7 @@ import numpy as np
 
 from vmoe_ext.data import (ArrayDataset, default_normalization, eval_batches,
                            load_dataset)
-from vmoe_ext.data.stream_eval import StreamingEvalSplit, streams_evaluation
+from vmoe_ext.data.stream_eval import open_test_split, streams_evaluation
 from vmoe_ext.data.tfds_adapter import load_tfds_split
 from vmoe_ext.errors import require
 from vmoe_ext.evaluate.final import final_evaluations
@@ -56,9 +56,7 @@ def test_data(data: ml_collections.ConfigDict
   split and `test` holds `data.analysis_examples` of its images
   (`StreamingEvalSplit`); otherwise both come from the loaded split."""
   if streams_evaluation(data):
-    split = StreamingEvalSplit(data)
-    split.check_image_size(data.image_size)
-    split.num_batches(data.eval_batch_size)  # Checks the batch size.
+    split = open_test_split(data)
     return (split.analysis_dataset(data.get("analysis_examples")),
             lambda: split.batches(data.eval_batch_size))
   test = load_test_split(data)

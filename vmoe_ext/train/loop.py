@@ -19,7 +19,8 @@ import numpy as np
 
 from vmoe_ext.data import (ArrayDataset, TrainIterator, default_normalization,
                            eval_batches, load_dataset)
-from vmoe_ext.data.stream_eval import StreamingEvalSplit, streams_evaluation
+from vmoe_ext.data.stream_eval import (StreamingEvalSplit, open_test_split,
+                                       streams_evaluation)
 from vmoe_ext.data.stream_iterator import StreamingTrainIterator
 from vmoe_ext.data.tfds_adapter import load_tfds_split
 from vmoe_ext.errors import InputError, require
@@ -177,9 +178,7 @@ def _streaming_data(config: ml_collections.ConfigDict):
   sample = train_iter.sample_batch()
   eval_split = None
   if streams_evaluation(data):
-    eval_split = StreamingEvalSplit(data)
-    eval_split.check_image_size(data.image_size)
-    eval_split.num_batches(data.eval_batch_size)  # Checks the batch.
+    eval_split = open_test_split(data)
     test = eval_split.analysis_dataset(data.get("analysis_examples"))
   else:
     test = load_tfds_split(data, data.get("test_split") or "test",
