@@ -6,6 +6,7 @@ classes) on batches of 8 streamed through `data.pp_train`."""
 from __future__ import annotations
 
 import ml_collections
+import pytest
 
 from resume_check import short_schedule
 from vmoe_ext.data import fake_tfds
@@ -22,6 +23,12 @@ def build(path: str) -> str:
                                 num_validation=N_VAL,
                                 image_size=(SIDE, SIDE), num_shards=2)
   return path
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+  """A fresh copy of the dataset per test module (import it as a fixture)."""
+  return build(str(tmp_path_factory.mktemp("tfds")))
 
 
 def stream_config(data_dir: str, **data) -> ml_collections.ConfigDict:

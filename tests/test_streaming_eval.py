@@ -25,8 +25,9 @@ pytest.importorskip("grain.python")
 
 import tensorflow_datasets as tfds  # noqa: E402
 
-from fake_imagenet import (N_TRAIN, N_VAL, PP_EVAL, SIDE, build,  # noqa: E402
-                           stream_config)
+# data_dir: the module-scoped fake ImageNet fixture.
+from fake_imagenet import (N_TRAIN, N_VAL, PP_EVAL, SIDE,  # noqa: E402,F401
+                           data_dir, stream_config)
 from vmoe_ext import main  # noqa: E402
 from vmoe_ext.data import pp  # noqa: E402
 from vmoe_ext.data import stream_iterator  # noqa: E402
@@ -35,11 +36,6 @@ from vmoe_ext.data.stream_iterator import StreamingTrainIterator  # noqa: E402
 from vmoe_ext.errors import ConfigError, InputError  # noqa: E402
 from vmoe_ext.models import build_model  # noqa: E402
 from vmoe_ext.train import loop  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-  return build(str(tmp_path_factory.mktemp("tfds")))
 
 
 def eval_data(data_dir, **data):

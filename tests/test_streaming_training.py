@@ -18,19 +18,15 @@ import pytest
 pytest.importorskip("tensorflow_datasets")
 pytest.importorskip("grain.python")
 
-from fake_imagenet import (N_TRAIN, N_VAL, PP_EVAL, SIDE, build,  # noqa: E402
-                           stream_config)
+# data_dir: the module-scoped fake ImageNet fixture.
+from fake_imagenet import (N_TRAIN, N_VAL, PP_EVAL, SIDE,  # noqa: E402,F401
+                           data_dir, stream_config)
 from resume_check import straight_vs_resumed  # noqa: E402
 from vmoe_ext.data import loader, tfds_adapter  # noqa: E402
 from vmoe_ext.data.stream_iterator import StreamingTrainIterator  # noqa: E402
 from vmoe_ext.errors import ConfigError  # noqa: E402
 from vmoe_ext.train import loop  # noqa: E402
 from vmoe_ext.train.validate import validate_config  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-  return build(str(tmp_path_factory.mktemp("tfds")))
 
 
 def test_streams_end_to_end_without_loading_the_train_split(

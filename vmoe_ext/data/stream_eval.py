@@ -53,6 +53,13 @@ def streams_evaluation(data: Mapping[str, Any]) -> bool:
               and data.get("pp_eval"))
 
 
+def to_unit_range(image: np.ndarray, mean: Any, std: Any) -> np.ndarray:
+  """pp output `x` back to [0, 1] images: `clip(x std + mean, 0, 1)`, the
+  inverse of `(x - mean) / std` with `pp_normalization`'s statistics."""
+  return np.clip(np.asarray(image, np.float32) * np.asarray(std, np.float32)
+                 + np.asarray(mean, np.float32), 0.0, 1.0)
+
+
 class EvalFit:
   """`data.pp_eval` applied to one decoded [0, 1] image `[H, W, C]`, its
   output mapped back to [0, 1] (`[S, S, C]`): how the evaluation datasets
@@ -70,9 +77,7 @@ class EvalFit:
 
   def __call__(self, image: np.ndarray) -> np.ndarray:
     pixels = np.round(np.clip(image, 0.0, 1.0) * 255.0).astype(np.uint8)
-    out = np.asarray(self.pipeline(pixels), np.float32)
-    return np.clip(out * np.asarray(self.std, np.float32)
-                   + np.asarray(self.mean, np.float32), 0.0, 1.0)
+    return to_unit_range(self.pipeline(pixels), self.mean, self.std)
 
 
 class _PadBatch:
@@ -131,13 +136,8 @@ class StreamingEvalSplit:
     limit = data.get("max_examples")
     self._len = len(self._source) if limit is None else min(
         len(self._source), int(limit))
-    if process_index is None or process_count is None:
-      import jax  # pylint: disable=g-import-not-at-top
-      process_index = jax.process_index()
-      process_count = jax.process_count()
-    require(0 <= process_index < process_count, "process_index",
-            f"must lie in [0, {process_count}), got {process_index}")
-    self._p, self._count = int(process_index), int(process_count)
+    self._p, self._count = streaming.process_position(process_index,
+                                                      process_count)
     self._prefetch = prefetch
     self._workers = int(data.get("worker_count") or 0)
     self.mean, self.std = pp_normalization(self._preprocess.pipeline)
@@ -199,14 +199,12 @@ class StreamingEvalSplit:
       for batch in dataset:
         produced += 1
         yield batch
-    pad = _PadBatch(rows)
-    for _ in range(total - produced):
-      yield pad({"image": self._empty_images(), "label": np.zeros(0,
-                                                                  np.int32)})
-
-  def _empty_images(self) -> np.ndarray:
-    image = self._preprocess(self._source[0])["image"]
-    return np.zeros((0,) + image.shape, np.float32)
+    if produced < total:  # A shorter share: all-padding batches.
+      shape = self._preprocess(self._source[0])["image"].shape
+      padding = _PadBatch(rows)({"image": np.zeros((0,) + shape, np.float32),
+                                 "label": np.zeros(0, np.int32)})
+      for _ in range(total - produced):
+        yield dict(padding)
 
   def analysis_dataset(self, max_examples: int | None,
                        indices: np.ndarray | None = None) -> ArrayDataset:
@@ -215,11 +213,9 @@ class StreamingEvalSplit:
     if indices is None:
       indices = evenly_spaced(self._len, max_examples)
     images, labels = [], []
-    mean = np.asarray(self.mean, np.float32)
-    std = np.asarray(self.std, np.float32)
     for i in np.asarray(indices).reshape(-1):
       example = self._preprocess(self._source[int(i)])
-      images.append(np.clip(example["image"] * std + mean, 0.0, 1.0))
+      images.append(to_unit_range(example["image"], self.mean, self.std))
       labels.append(example["label"])
     return ArrayDataset(np.stack(images).astype(np.float32),
                         np.asarray(labels, np.int32), self.num_classes,
@@ -236,5 +232,5 @@ def open_test_split(data: Mapping[str, Any]) -> StreamingEvalSplit:
   return split
 
 
-__all__ = ["EvalFit", "PP_EVAL_FIELD", "StreamingEvalSplit",
+__all__ = ["EvalFit", "PP_EVAL_FIELD", "to_unit_range", "StreamingEvalSplit",
            "open_test_split", "streams_evaluation"]

@@ -237,7 +237,8 @@ class StreamingTrainIterator:
     local = bytes(self._streaming.get_state(self._iter)).decode()
     index, count = self._process()
     states = {str(index): local}
-    if count > 1 and _process_count() == count:
+    import jax  # pylint: disable=g-import-not-at-top
+    if count > 1 and jax.process_count() == count:
       states = {str(p): s for p, s in enumerate(_allgather_text(local))}
     return {"process_count": count, "states": states}
 
@@ -266,20 +267,12 @@ class StreamingTrainIterator:
 
   def _process(self) -> tuple[int, int]:
     """`(p, P)` of this iterator."""
-    import jax  # pylint: disable=g-import-not-at-top
-    index, count = (self._kwargs["process_index"],
-                    self._kwargs["process_count"])
-    return (jax.process_index() if index is None else index,
-            jax.process_count() if count is None else count)
+    return self._streaming.process_position(self._kwargs["process_index"],
+                                            self._kwargs["process_count"])
 
   def close(self) -> None:
     """Stops the worker processes, if any."""
     self._streaming.close(self._iter)
-
-
-def _process_count() -> int:
-  import jax  # pylint: disable=g-import-not-at-top
-  return jax.process_count()
 
 
 def _allgather_text(text: str) -> list[str]:

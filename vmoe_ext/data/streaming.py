@@ -285,6 +285,23 @@ def _check_count(value: Any, field: str, minimum: int) -> int:
   return int(value)
 
 
+def process_position(process_index: int | None = None,
+                     process_count: int | None = None) -> tuple[int, int]:
+  """`(p, P)`: the given process index and count, each defaulting to jax's
+  (`jax.process_index()`, `jax.process_count()`), checked (0 <= p < P)."""
+  if process_index is None or process_count is None:
+    import jax  # pylint: disable=g-import-not-at-top
+    process_index = (jax.process_index() if process_index is None
+                     else process_index)
+    process_count = (jax.process_count() if process_count is None
+                     else process_count)
+  count = _check_count(process_count, "process_count", 1)
+  index = _check_count(process_index, "process_index", 0)
+  require(index < count, "process_index",
+          f"must be < process_count = {count}, got {index}")
+  return index, count
+
+
 def train_loader(source, *, batch_size: int, seed: int,
                  preprocess: Preprocess | None = None,
                  process_index: int | None = None,
@@ -318,16 +335,7 @@ def train_loader(source, *, batch_size: int, seed: int,
     raise ImportError("streaming training input needs Grain: pip install "
                       "grain")
   n = len(source)
-  if process_index is None or process_count is None:
-    import jax  # pylint: disable=g-import-not-at-top
-    process_index = (jax.process_index() if process_index is None
-                     else process_index)
-    process_count = (jax.process_count() if process_count is None
-                     else process_count)
-  count = _check_count(process_count, "process_count", 1)
-  index = _check_count(process_index, "process_index", 0)
-  require(index < count, "process_index",
-          f"must be < process_count = {count}, got {index}")
+  index, count = process_position(process_index, process_count)
   batch_size = _check_count(batch_size, field, 1)
   require(batch_size % count == 0, field,
           f"the global batch {batch_size} must divide evenly over the "
