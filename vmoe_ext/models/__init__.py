@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 from vmoe_ext.errors import ConfigError, field_scope, require
 from vmoe_ext.models.placement import resolve_moe_layers
 from vmoe_ext.models.vit import MOE_DEFAULTS, VisionTransformerMoe
+from vmoe_ext.moe.expert_parallel import ExpertParallel
 from vmoe_ext.moe.contract import SOFT
 from vmoe_ext.registry import Registry
 from vmoe_ext.routers.registry import ROUTERS
@@ -50,7 +51,9 @@ def soft_moe_vit_fields(config: dict[str, Any]) -> dict[str, Any]:
   return {**config, "moe": {**moe, "router": router}}
 
 
-def build_model(config: Mapping[str, Any]) -> VisionTransformerMoe:
+def build_model(config: Mapping[str, Any],
+                expert_parallel: Optional[ExpertParallel] = None
+                ) -> VisionTransformerMoe:
   """Builds a model from a config dict (or ml_collections ConfigDict).
 
   `config["name"]` is one of:
@@ -63,11 +66,15 @@ def build_model(config: Mapping[str, Any]) -> VisionTransformerMoe:
   validated here, before any tracing; errors name the full path
   ("model.moe.router.num_selected"). The types of the fields are checked by
   `vmoe_ext.config` (`validate_config`) before this is called.
+  `expert_parallel` (not a config field: the mesh comes from the `sharding`
+  section, `vmoe_ext.sharding`) spreads the experts over a mesh axis.
   """
   config = _to_dict(config)
   config = MODELS.get(config.pop("name", None))(config)
   try:
     with field_scope("model"):
+      if expert_parallel is not None and config.get("moe") is not None:
+        config["expert_parallel"] = expert_parallel
       return VisionTransformerMoe(**config)
   except TypeError as e:  # Unknown keyword: name the field.
     raise ConfigError("model", str(e)) from e

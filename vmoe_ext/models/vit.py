@@ -23,6 +23,7 @@ from vmoe_ext.models.placement import resolve_moe_layers
 from vmoe_ext.models.position import (add_fixed_position_emb,
                                       check_position_emb)
 from vmoe_ext.moe.contract import RoutingContext
+from vmoe_ext.moe.expert_parallel import ExpertParallel
 from vmoe_ext.moe.experts import DenseMlp, check_activation
 from vmoe_ext.moe.layer import MoeLayer
 from vmoe_ext.routers.registry import ROUTERS
@@ -95,6 +96,7 @@ class EncoderBlock(nn.Module):
   stream: Mapping[str, Any] = dataclasses.field(
       default_factory=lambda: dict(DEFAULT_STREAM))
   dtype: Any = jnp.float32
+  expert_parallel: Optional[ExpertParallel] = None
 
   @nn.compact
   def __call__(self, x: Array, ctx: RoutingContext, *,
@@ -114,7 +116,8 @@ class EncoderBlock(nn.Module):
     is_moe = self.moe is not None
     if is_moe:
       layer = build_moe_layer(self.moe, self.mlp_dim, self.dropout_rate,
-                              self.dtype, self.mlp_activation, name="Moe")
+                              self.dtype, self.mlp_activation, name="Moe",
+                              expert_parallel=self.expert_parallel)
     else:
       layer = MlpBlock(self.mlp_dim, self.dropout_rate, self.dtype,
                        self.mlp_activation, name="Mlp")
@@ -214,7 +217,13 @@ class VisionTransformerMoe(nn.Module):
       default plain), for the MoE blocks or, with `blocks="all"`, every block.
     state_axis_name: the data-parallel axis name over which persistent router
       state updates are averaged (None: no reduction), like BatchNorm's
-      `axis_name`.
+      `axis_name`, for a model applied inside a data-parallel `shard_map`
+      or `pmap`; under `jit` over a mesh the arrays are global and the
+      statistics are the whole batch's without it.
+    expert_parallel: None, or the mesh layout of expert parallelism
+      (`vmoe_ext.moe.expert_parallel.ExpertParallel`, from the `sharding`
+      config section): every MoE layer runs its experts in a `shard_map`
+      with two all-to-alls; results equal the single-device model's.
 
   Calling it returns `(logits [B, num_classes], metrics)` where `metrics` has
   `auxiliary_loss` (sum over MoE layers, 0 for a dense model) and, per MoE
@@ -245,6 +254,7 @@ class VisionTransformerMoe(nn.Module):
   moe: Optional[Mapping[str, Any]] = None
   stream: Optional[Mapping[str, Any]] = None
   state_axis_name: Optional[str] = None
+  expert_parallel: Optional[ExpertParallel] = None
   dtype: Any = jnp.float32
 
   def __post_init__(self):
@@ -358,7 +368,8 @@ class VisionTransformerMoe(nn.Module):
           attention_kernel_init=self.attention_kernel_init,
           attention_broadcast_dropout=self.attention_broadcast_dropout,
           moe=self.moe if i in moe_layers else None, stream=self.stream,
-          dtype=self.dtype, name=f"encoderblock_{i}")(
+          dtype=self.dtype, expert_parallel=self.expert_parallel,
+          name=f"encoderblock_{i}")(
               x, ctx.at_layer(i), deterministic=deterministic,
               update_state=update_state)
       if layer_metrics is not None:

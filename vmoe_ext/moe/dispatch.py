@@ -68,10 +68,15 @@ class DispatchPlan:
       found no room (token choice); fraction of tokens picked by no expert
       (expert choice); 0 for soft routing.
     expert_usage: `[E]`, fraction of each expert's `G*C` buffer slots filled.
+    dropped / requested: scalars, the counts behind `drop_rate` (dropped
+      over requested, with at least 1 requested), so that shards of a batch
+      give the whole batch's drop rate (`vmoe_ext.moe.expert_parallel`).
   """
   dispatcher: Dispatcher
   drop_rate: Array
   expert_usage: Array
+  dropped: Array
+  requested: Array
   capacity: int = flax.struct.field(pytree_node=False)
 
 
@@ -214,7 +219,8 @@ def _token_choice_plan(routing: TokenChoiceRouting, num_experts: int,
   kept_per_expert = jnp.einsum("gske,gsk->e", expert_one_hot, kept_f)
   num_valid = jnp.sum(routing.valid.astype(jnp.float32))
   # Counts are exact in float32: no drop gives exactly 0 (not 1 - 1 + eps).
-  drop_rate = (num_valid - jnp.sum(kept_f)) / jnp.maximum(num_valid, 1.0)
+  dropped = num_valid - jnp.sum(kept_f)
+  drop_rate = dropped / jnp.maximum(num_valid, 1.0)
   usage = kept_per_expert / (num_groups * capacity)
 
   if kind == "einsum":
@@ -237,7 +243,8 @@ def _token_choice_plan(routing: TokenChoiceRouting, num_experts: int,
     source = jnp.full((num_slots,), num_groups * group_size, jnp.int32)
     source = source.at[slot.reshape(-1)].set(token.reshape(-1), mode="drop")
     dispatcher = TokenGatherDispatcher(source, slot, weights, num_experts)
-  return DispatchPlan(dispatcher, drop_rate, usage, capacity)
+  return DispatchPlan(dispatcher, drop_rate, usage, dropped, num_valid,
+                      capacity)
 
 
 def _expert_choice_plan(routing: ExpertChoiceRouting, num_experts: int,
@@ -251,6 +258,7 @@ def _expert_choice_plan(routing: ExpertChoiceRouting, num_experts: int,
                           dtype=jnp.float32)  # [G, E, C, S]
   routed = jnp.any(picked > 0, axis=(1, 2))  # [G, S]
   drop_rate = 1.0 - jnp.mean(routed.astype(jnp.float32))
+  dropped = jnp.sum(1.0 - routed.astype(jnp.float32))
   usage = jnp.ones((num_experts,), jnp.float32)
   if kind == "einsum":
     dispatch_w = picked.transpose(0, 3, 1, 2)  # [G, S, E, C]
@@ -265,7 +273,8 @@ def _expert_choice_plan(routing: ExpertChoiceRouting, num_experts: int,
         source.reshape(num_experts, num_groups * capacity),
         weights.reshape(num_experts, num_groups * capacity), num_groups,
         group_size)
-  return DispatchPlan(dispatcher, drop_rate, usage, capacity)
+  return DispatchPlan(dispatcher, drop_rate, usage, dropped,
+                      jnp.asarray(routed.size, jnp.float32), capacity)
 
 
 def _soft_plan(routing: SoftRouting, num_experts: int, capacity: int,
@@ -275,8 +284,9 @@ def _soft_plan(routing: SoftRouting, num_experts: int, capacity: int,
   cast = (lambda w: w) if dtype is None else (lambda w: w.astype(dtype))
   dispatcher = EinsumDispatcher(cast(routing.dispatch_weights),
                                 cast(routing.combine_weights))
-  return DispatchPlan(dispatcher, jnp.zeros((), jnp.float32),
-                      jnp.ones((num_experts,), jnp.float32), slots)
+  zero = jnp.zeros((), jnp.float32)
+  return DispatchPlan(dispatcher, zero, jnp.ones((num_experts,), jnp.float32),
+                      zero, jnp.ones((), jnp.float32), slots)
 
 
 # One planner per routing form: `(routing, E, C, kind, bpr, dtype) -> plan`.

@@ -75,10 +75,23 @@ def _expert_init(base: Callable, num_experts: int, mode: str) -> Callable:
   return init
 
 
-def _dropout(v: Array, rate: float, key: Optional[Array]) -> Array:
-  if key is None:
+def expert_dropout_keep(rng: Array, rate: float, num_experts: int,
+                        slots: int, hidden: int, width: int
+                        ) -> tuple[Array, Array]:
+  """The experts' dropout keep masks: `[E, N, H]` (after the activation) and
+  `[E, N, D]` (after the output layer), drawn from `rng` on these global
+  shapes, so an expert-parallel layer can draw them once and shard them
+  (`vmoe_ext.moe.expert_parallel`) and get the single-device masks."""
+  keys = jax.random.split(rng, 2)
+  return (jax.random.bernoulli(keys[0], 1.0 - rate,
+                               (num_experts, slots, hidden)),
+          jax.random.bernoulli(keys[1], 1.0 - rate,
+                               (num_experts, slots, width)))
+
+
+def _dropout(v: Array, rate: float, keep: Optional[Array]) -> Array:
+  if keep is None:
     return v
-  keep = jax.random.bernoulli(key, 1.0 - rate, v.shape)
   return jnp.where(keep, v / (1.0 - rate), 0).astype(v.dtype)
 
 
@@ -86,6 +99,7 @@ def mlp_experts(params: Mapping[str, Mapping[str, Array]], x: Array, *,
                 activation: str = "gelu",
                 dropout_rate: float = 0.0,
                 dropout_rng: Optional[Array] = None,
+                dropout_keep: Optional[tuple[Array, Array]] = None,
                 dtype: Any = jnp.float32) -> Array:
   """E MLPs `D -> H -> D`, one per expert.
 
@@ -97,14 +111,20 @@ def mlp_experts(params: Mapping[str, Mapping[str, Array]], x: Array, *,
     activation: one of `ACTIVATIONS`.
     dropout_rate: dropout after the activation and after the output layer,
       applied when `dropout_rng` is given.
-    dropout_rng: PRNG key, or None for no dropout (deterministic).
+    dropout_rng: PRNG key, or None for no dropout (deterministic); the
+      masks are `expert_dropout_keep(dropout_rng, ...)` on x's shape.
+    dropout_keep: the keep masks themselves (`[E, N, H]`, `[E, N, D]`),
+      instead of `dropout_rng` (an expert-parallel shard's part of them).
     dtype: compute dtype.
 
   Returns:
     `[E, N, D]`.
   """
-  use_dropout = dropout_rng is not None and dropout_rate > 0
-  keys = jax.random.split(dropout_rng, 2) if use_dropout else (None, None)
+  keep = (None, None) if dropout_rate <= 0 else dropout_keep or (None, None)
+  if dropout_rng is not None and dropout_rate > 0:
+    e, n, d = x.shape
+    keep = expert_dropout_keep(dropout_rng, dropout_rate, e, n,
+                               params["Dense_0"]["kernel"].shape[-1], d)
   x = x.astype(dtype)
 
   def dense_in(name: str) -> Array:
@@ -114,12 +134,12 @@ def mlp_experts(params: Mapping[str, Mapping[str, Array]], x: Array, *,
 
   up = dense_in("Dense_up") if activation in GATED else None
   h = hidden_activation(activation, dense_in("Dense_0"), up)
-  h = _dropout(h, dropout_rate, keys[0])
+  h = _dropout(h, dropout_rate, keep[0])
   out = params["Dense_1"]
   y = jnp.einsum("enh,ehd->end", h, out["kernel"].astype(dtype))
   if "bias" in out:
     y = y + out["bias"][:, None].astype(dtype)
-  return _dropout(y, dropout_rate, keys[1])
+  return _dropout(y, dropout_rate, keep[1])
 
 
 class ExpertDense(nn.Module):
@@ -177,10 +197,16 @@ class MlpExperts(nn.Module):
     super().__post_init__()
 
   @nn.compact
-  def __call__(self, x: Array, *, deterministic: bool = True) -> Array:
-    """x: `[E, N, D]` -> `[E, N, D]`."""
-    e, _, d = x.shape
-    if e != self.num_experts:
+  def __call__(self, x: Array, *, deterministic: bool = True,
+               compute: Optional[Callable[..., Any]] = None) -> Any:
+    """x: `[E, N, D]` -> `[E, N, D]`.
+
+    `compute(params, x, dropout_rng)` replaces `mlp_experts` when given (x
+    is then whatever it takes, with D last): the expert-parallel layer runs
+    dispatch, experts and combine in one `shard_map` over these weights.
+    """
+    e, d = x.shape[0], x.shape[-1]
+    if compute is None and e != self.num_experts:
       raise ValueError(f"expert inputs have {e} experts, the module has "
                        f"{self.num_experts}")
     dense = lambda features, name, use_bias=True: ExpertDense(
@@ -194,6 +220,8 @@ class MlpExperts(nn.Module):
     rng = None
     if not deterministic and self.dropout_rate > 0:
       rng = self.make_rng("dropout")
+    if compute is not None:
+      return compute(params, x, rng)
     return mlp_experts(params, x, activation=self.activation,
                        dropout_rate=self.dropout_rate, dropout_rng=rng,
                        dtype=self.dtype)

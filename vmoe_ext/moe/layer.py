@@ -18,6 +18,7 @@ from vmoe_ext.moe.capacity import ROUNDINGS, compute_capacity
 from vmoe_ext.moe.dispatch import DISPATCHERS, make_dispatch_plan
 from vmoe_ext.moe.contract import (Assignment, LayerRecord, Metrics, Router,
                                    RoutingContext)
+from vmoe_ext.moe.expert_parallel import ExpertParallel, expert_parallel_moe
 from vmoe_ext.moe.experts import DenseMlp, MlpExperts, check_activation
 
 Array = jax.Array
@@ -79,6 +80,10 @@ class MoeLayer(nn.Module):
       the carved layer equals the dense one).
     activation: the experts' MLP activation (`vmoe_ext.moe.experts`), set by
       the model from its `mlp_activation`.
+    expert_parallel: None (one device, or left to the compiler), or the
+      mesh layout under which dispatch, experts and combine run in a
+      `shard_map` with two all-to-alls (`vmoe_ext.moe.expert_parallel`);
+      the results equal the single-device layer's.
   """
   router: Router
   hidden_size: int
@@ -96,6 +101,7 @@ class MoeLayer(nn.Module):
   output_bias: str = "experts"
   activation: str = "gelu"
   dtype: Any = jnp.float32
+  expert_parallel: Optional[ExpertParallel] = None
 
   def __post_init__(self):
     DISPATCHERS.check(self.dispatcher)
@@ -172,19 +178,31 @@ class MoeLayer(nn.Module):
                       update_state=update_state and record)
     routing = out.routing
     dtype = DISPATCH_DTYPES[self.dispatch_dtype]
-    plan = make_dispatch_plan(routing, num_experts=e, group_size=s,
-                              capacity=capacity, kind=self.dispatcher,
-                              batch_priority=self.batch_priority, dtype=dtype)
     tokens = xg if out.expert_inputs is None else out.expert_inputs
-    expert_inputs = plan.dispatcher.dispatch(tokens.astype(dtype or self.dtype))
     per_expert_bias = self.output_bias == "experts"
-    expert_outputs = MlpExperts(
+    experts = MlpExperts(
         num_experts=e, hidden_size=self.hidden_size,
         activation=self.activation, output_bias=per_expert_bias,
         dropout_rate=self.dropout_rate, init_mode=self.expert_init,
-        dtype=self.dtype, name="Mlp")(expert_inputs,
-                                      deterministic=deterministic)
-    y = plan.dispatcher.combine(expert_outputs.astype(dtype or self.dtype))
+        dtype=self.dtype, name="Mlp")
+    if self.expert_parallel is None:
+      plan = make_dispatch_plan(routing, num_experts=e, group_size=s,
+                                capacity=capacity, kind=self.dispatcher,
+                                batch_priority=self.batch_priority,
+                                dtype=dtype)
+      expert_outputs = experts(plan.dispatcher.dispatch(
+          tokens.astype(dtype or self.dtype)), deterministic=deterministic)
+      y = plan.dispatcher.combine(expert_outputs.astype(dtype or self.dtype))
+      drop_rate, usage = plan.drop_rate, plan.expert_usage
+    else:
+      y, drop_rate, usage = experts(
+          tokens, deterministic=deterministic,
+          compute=lambda params, tokens, rng: expert_parallel_moe(
+              self.expert_parallel, routing, tokens, params, num_experts=e,
+              capacity=capacity, dispatcher=self.dispatcher,
+              batch_priority=self.batch_priority, dispatch_dtype=dtype,
+              activation=self.activation, dropout_rate=self.dropout_rate,
+              dropout_rng=rng, dtype=self.dtype))
     y = y.reshape(b, t, d).astype(x.dtype)
     if self.shared_experts:
       y = y + DenseMlp(self.shared_experts * self.hidden_size,
@@ -198,10 +216,10 @@ class MoeLayer(nn.Module):
     mask = routing.expert_mask(e)
     mask_f = mask.astype(jnp.float32)
     metrics = dict(out.metrics)
-    metrics["drop_rate"] = plan.drop_rate
+    metrics["drop_rate"] = drop_rate
     metrics["expert_load"] = (jnp.sum(mask_f, axis=(0, 1))
                               / jnp.maximum(jnp.sum(mask_f), 1.0))
-    metrics["expert_usage"] = plan.expert_usage
+    metrics["expert_usage"] = usage
     indices, gates, valid = routing.assignment(e)
     assignment = Assignment(expert_indices=indices.reshape(b, t, -1),
                             gates=gates.reshape(b, t, -1),

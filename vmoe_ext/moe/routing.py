@@ -28,6 +28,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from vmoe_ext.moe.top_k import top_k
+
 Array = jax.Array
 
 
@@ -142,7 +144,7 @@ class SoftRouting:
     g, s, e, p = self.combine_weights.shape
     del num_experts
     k = min(self.assigned_slots, e * p)
-    gates, slots = jax.lax.top_k(self.combine_weights.reshape(g, s, e * p), k)
+    gates, slots = top_k(self.combine_weights.reshape(g, s, e * p), k)
     return ((slots // p).astype(jnp.int32), gates,
             jnp.ones(slots.shape, jnp.bool_))
 

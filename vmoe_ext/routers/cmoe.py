@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from vmoe_ext.errors import require
+from vmoe_ext.moe.top_k import top_k
 from vmoe_ext.moe.contract import (ROUTER_STATE, Router, RouterOutput,
                                    RoutingContext)
 from vmoe_ext.moe.experts import GATED, check_activation, hidden_activation
@@ -75,7 +76,7 @@ def cmoe_top_k(scores: Array, bias: Array, scale: Array, num_selected: int
   """
   s = jax.nn.softmax(scores, axis=-1)
   biased = s + jax.lax.stop_gradient(bias).astype(s.dtype)
-  _, indices = jax.lax.top_k(biased, num_selected)
+  _, indices = top_k(biased, num_selected)
   weights = 1.0 + jnp.take_along_axis(s, indices, axis=-1) * scale[indices]
   return TokenChoiceRouting.create(indices, weights), s
 

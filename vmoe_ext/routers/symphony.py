@@ -25,7 +25,8 @@ Defined behaviour the paper leaves open (docs/routers.md):
 * a row of `A'` of an expert no token selected stays 0 (0/0 := 0);
 * `threshold` t > 0 sparsifies the graph used for smoothing (entries < t
   become 0, paper appendix G.3); the stored EMA stays dense;
-* ties in TopK go to the lower expert index (`lax.top_k`).
+* ties in TopK go to the lower expert index (`lax.top_k`, and our
+  `vmoe_ext.moe.top_k`).
 
 `symphony_soft` (`vmoe_ext.routers.symphony_soft`) applies the same graph to
 SoftMoE.
@@ -42,6 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from vmoe_ext.errors import require
+from vmoe_ext.moe.top_k import top_k
 from vmoe_ext.moe.contract import (ROUTER_STATE, TOKEN_CHOICE, Metrics,
                                    RouterOutput, RoutingContext)
 from vmoe_ext.moe.routing import TokenChoiceRouting
@@ -139,7 +141,7 @@ def symphony_top_k(gates: Array, adjacency: Array, *, num_selected: int,
     fallback flag.
   """
   smoothed, fallback = smooth_gates(gates, adjacency, threshold)
-  top, idx = jax.lax.top_k(smoothed, num_selected)
+  top, idx = top_k(smoothed, num_selected)
   if renormalize_gates:
     top = top / jnp.maximum(jnp.sum(top, axis=-1, keepdims=True), 1e-30)
   return TokenChoiceRouting.create(idx, top), smoothed, fallback

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from vmoe_ext.errors import require
+from vmoe_ext.moe.top_k import top_k
 from vmoe_ext.moe import losses
 from vmoe_ext.moe.contract import Metrics
 from vmoe_ext.moe.routing import TokenChoiceRouting
@@ -61,7 +62,7 @@ def top_p(logits: Array, noise: Optional[Array], threshold: Array | float, *,
   """
   noisy_logits = logits if noise is None else logits + noise
   gates = jax.nn.softmax(noisy_logits, axis=-1)
-  top_gates, top_idx = jax.lax.top_k(gates, max_experts)
+  top_gates, top_idx = top_k(gates, max_experts)
   p = jnp.asarray(threshold, jnp.float32)
   valid = top_gates > jax.lax.stop_gradient(p)
   valid = valid.at[..., 0].set(True)

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from vmoe_ext.errors import require
+from vmoe_ext.moe.top_k import top_k
 from vmoe_ext.moe import losses
 from vmoe_ext.moe.routing import TokenChoiceRouting
 from vmoe_ext.moe.contract import (LinearLogits, Metrics, Router, RouterOutput,
@@ -61,7 +62,7 @@ def noisy_top_k(logits: Array,
   """
   noisy_logits = logits if noise is None else logits + noise
   gates = jax.nn.softmax(noisy_logits, axis=-1)
-  top_gates, top_idx = jax.lax.top_k(gates, num_selected)
+  top_gates, top_idx = top_k(gates, num_selected)
   if renormalize_gates:
     top_gates = top_gates / jnp.sum(top_gates, axis=-1, keepdims=True)
 
