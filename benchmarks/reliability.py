@@ -50,6 +50,7 @@ class Case:
   field: Union[str, tuple[str, ...]]
   setup: Optional[Setup] = None
   group: str = "invalid"
+  devices: int = 1  # fake XLA host devices (sharding cases)
 
 
 def flag(override: str, field: Optional[str] = None) -> Case:
@@ -108,6 +109,13 @@ def vmoe_import(override: str, field: str) -> Case:
   imported vmoe checkpoint)."""
   return Case(f"vmoe_import:{override}", (
       "--config=configs/vmoe_import.py:tiny", f"--config.{override}"), field)
+
+
+def on_devices(devices: int, *overrides: str, field: str) -> Case:
+  """`--config.OVERRIDE`s on `devices` fake CPU devices (the mesh checks)."""
+  return Case(f"{devices} devices:{' '.join(overrides)}",
+              tuple(f"--config.{o}" for o in overrides), field,
+              devices=devices)
 
 
 def valid(override: str) -> Case:
@@ -333,6 +341,32 @@ CASES: list[Case] = [
     vmoe_import("init.checkpoint=/nonexistent/vmoe", "init.checkpoint"),
     vmoe_import("init.layout=bogus", "init.layout"),
     vmoe_import("init.format=bogus", "init.format"),
+    # sharding (the tiny config: E=2, batch 32 and 50 of 5 tokens, groups
+    # of 10 tokens; 16 and 25 groups)
+    flag("sharding.shape=(2,1)", "sharding.shape"),
+    flag("sharding.shape=(1,)", "sharding.shape"),
+    flag("sharding.shape=(0,-1)", "sharding.shape"),
+    flag("sharding.axes=('data','data')", "sharding.axes"),
+    flag("sharding.expert_axis=model", "sharding.expert_axis"),
+    flag("sharding.rules=(('/Moe/Mlp/',('model',)),)", "sharding.rules[0][1]"),
+    flag("sharding.rules=(('(',('expert',)),)", "sharding.rules[0][0]"),
+    flag("sharding.rules=(('/Moe/Mlp/',),)", "sharding.rules[0]"),
+    on_devices(8, "sharding.shape=(4,4)", field="sharding.shape"),
+    on_devices(8, "sharding.shape=(3,-1)", field="sharding.shape"),
+    on_devices(8, "sharding.shape=(2,4)", "data.eval_batch_size=80",
+               field="model.moe.num_experts"),
+    on_devices(8, "sharding.shape=(8,1)", "data.batch_size=36",
+               field="data.batch_size"),
+    on_devices(8, "sharding.shape=(8,1)", "data.eval_batch_size=40",
+               field="data.eval_batch_size"),
+    on_devices(8, "sharding.shape=(4,2)", "data.eval_batch_size=40",
+               field="data.eval_batch_size"),
+    on_devices(8, "sharding.shape=(8,1)", "data.eval_batch_size=80",
+               "sharding.rules=(('/Moe/Mlp/',('data',)),)",
+               field="sharding.rules[0][1]"),
+    on_devices(8, "sharding.shape=(8,1)", "data.eval_batch_size=80",
+               "sharding.rules=(('/Moe/Mlp/',(None,None,None,'data')),)",
+               field="sharding.rules[0][1]"),
     # overrides that must parse (documented fields absent from tiny.py or
     # whose default is None); each then fails on model.num_heads=0
     valid("robustness.num_examples=200"),
@@ -382,6 +416,9 @@ def run_case(case: Case, timeout: float) -> dict[str, Any]:
     if not any(a.startswith("--workdir=") for a in args):
       argv.append(f"--workdir={workdir}")
     env = {**os.environ, "CI": "1", "JAX_PLATFORMS": "cpu"}
+    if case.devices > 1:
+      env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_"
+                          f"platform_device_count={case.devices}").strip()
     start = time.monotonic()
     try:
       proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True,

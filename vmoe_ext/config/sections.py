@@ -384,6 +384,42 @@ def _check_carve(value: dict[str, Any]) -> None:
 CARVE = Section(_carve_fields, default=None, nullable=True, check=_check_carve,
                 doc="carve mode: a dense ViT checkpoint into a V-MoE (CMoE)")
 
+# -------------------------------------------------------------------- sharding
+
+
+def _check_sharding(value: dict[str, Any]) -> None:
+  from vmoe_ext.sharding.mesh import sharding_config
+  from vmoe_ext.sharding.rules import check_rules
+  config = sharding_config(value)
+  axes = tuple(config["axes"])
+  require(len(set(axes)) == len(axes), "axes",
+          f"must be distinct axis names, got {axes}")
+  require(len(config["shape"]) == len(axes), "shape",
+          f"has {len(config['shape'])} sizes for the {len(axes)} axes {axes}")
+  shape = tuple(config["shape"])
+  require(all(n == -1 or n >= 1 for n in shape) and shape.count(-1) <= 1,
+          "shape", f"sizes must be >= 1, with at most one -1 (the devices "
+          f"left over), got {shape}")
+  require(config["expert_axis"] is None or config["expert_axis"] in axes,
+          "expert_axis", f"{config['expert_axis']!r} is not one of "
+          f"sharding.axes {axes}")
+  if config["rules"] is not None:
+    check_rules(config["rules"], axes, field="rules")
+
+
+SHARDING = Section({
+    "axes": Seq(Field("str"), ("data", "expert"), min_length=1,
+                doc="mesh axis names"),
+    "shape": Seq(Field("int", low=-1), (-1, 1), min_length=1,
+                 doc="one size per axis; one -1: the devices left over"),
+    "expert_axis": Field("str", "expert", nullable=True,
+                         doc="experts split over it; None: replicated"),
+    "rules": Seq(Seq(Field("any"), length=2), None, nullable=True,
+                 doc="(regex, PartitionSpec tuple) pairs; None: experts "
+                 "over expert_axis, the rest replicated"),
+}, default=None, nullable=True, check=_check_sharding,
+                   doc="device mesh and partition rules (vmoe_ext.sharding)")
+
 # ------------------------------------------------------------------------ root
 
 CONFIG = Section({
@@ -395,6 +431,7 @@ CONFIG = Section({
     "robustness": ROBUSTNESS,
     "init": INIT,
     "carve": CARVE,
+    "sharding": SHARDING,
 })
 SECTIONS = tuple(CONFIG.fields_of({}))
 

@@ -13,7 +13,7 @@ The robustness section's evaluation datasets are checked by
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import jax
 import ml_collections
@@ -73,9 +73,12 @@ def num_tokens(model, image_shape: tuple[int, ...]) -> int:
 
 def validate_shapes(config: ml_collections.ConfigDict, model,
                     image_shape: tuple[int, ...],
-                    num_classes: Optional[int] = None) -> None:
+                    num_classes: Optional[int] = None,
+                    partitioning: Optional[Any] = None) -> None:
   """Checks patches and routing groups against the data's image shape and,
-  when given, `model.num_classes` against the dataset's number of classes."""
+  when given, `model.num_classes` against the dataset's number of classes
+  and the batches, routing groups and experts against the mesh of
+  `partitioning` (`vmoe_ext.sharding.partitioning.Partitioning`)."""
   if num_classes is not None:
     require(model.num_classes >= num_classes, "model.num_classes",
             f"{model.num_classes} is smaller than the dataset's "
@@ -85,15 +88,24 @@ def validate_shapes(config: ml_collections.ConfigDict, model,
   require(h % ph == 0 and w % pw == 0, "model.patch_size",
           f"patch {tuple(model.patch_size)} does not divide the {h}x{w} "
           "images of the dataset (set data.image_size to resize)")
-  if model.moe is None or model.moe["group_size"] is None:
+  ep = None if partitioning is None else partitioning.expert_parallel
+  if ep is not None and model.moe is not None:
+    ep.check_experts(model.moe["num_experts"])
+  if partitioning is not None:
+    for field in ("batch_size", "eval_batch_size"):
+      partitioning.check_batch_size(config.data[field], f"data.{field}")
+  if model.moe is None:
     return
   t = num_tokens(model, image_shape)
-  s = model.moe["group_size"]
+  s = model.moe["group_size"] or t
   for field in ("batch_size", "eval_batch_size"):
     b = config.data[field]
     require((b * t) % s == 0, f"data.{field}",
             f"{b} images x {t} tokens = {b * t} tokens do not fill whole "
             f"routing groups of model.moe.group_size={s}")
+  if ep is not None:
+    for field in ("batch_size", "eval_batch_size"):
+      ep.check_groups(config.data[field] * t // s, f"data.{field}")
 
 
 __all__ = ["SECTIONS", "TRAIN_FIELDS", "num_tokens", "validate_config",
