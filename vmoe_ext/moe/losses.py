@@ -10,6 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from vmoe_ext.moe.top_k import top_k
+
 Array = jax.Array
 
 
@@ -39,7 +41,7 @@ def load_loss(logits: Array, noisy_logits: Array, noise_std: float,
   expert e stays in the top-K when its noise is resampled is
   `p[s, e] = 1 - Phi((thr_s - l[s, e]) / noise_std)`; `load_e = sum_s p[s, e]`.
   """
-  threshold = jax.lax.top_k(noisy_logits, num_selected)[0][..., -1:]  # [G,S,1]
+  threshold = top_k(noisy_logits, num_selected)[0][..., -1:]  # [G,S,1]
   z = (threshold - logits) / noise_std
   prob = 1.0 - jax.scipy.stats.norm.cdf(z)
   load = jnp.sum(prob, axis=-2)  # [G, E]

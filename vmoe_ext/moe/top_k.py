@@ -5,7 +5,7 @@ CPU: under `jit` over a mesh it all-gathers the whole `[G, S, E]` router
 output onto every device first. A stable sort of `(-x, index)` along the last
 axis is split like any elementwise op, and gives the same values, the same
 indices (ties: lower index first, as `jax.lax.top_k`) and the same gradients.
-Every router selects through this function.
+Every router, the load loss and the eval step's top-5 select through it.
 """
 
 from __future__ import annotations

@@ -85,7 +85,9 @@ class Partitioning:
     return named_shardings(tree, self.mesh, self.rules)
 
   def shard(self, tree: Any) -> Any:
-    """`tree` placed by the rules (a copy; the input is left as it is)."""
+    """`tree` placed by the rules. Leaves already where the rules want
+    them are not copied: the result may share buffers with `tree` (donating
+    it to a step deletes them)."""
     return jax.device_put(tree, self.shardings(tree))
 
   def global_batch(self, local: Mapping[str, Any]) -> dict[str, jax.Array]:
