@@ -327,13 +327,6 @@ def test_pp_eval_output_size_and_batch_are_checked_at_setup(data_dir,
   assert e.value.field == "data.test_split", e.value
 
 
-def test_a_multi_process_training_run_is_refused_before_reading(
-    data_dir, tmp_path, monkeypatch):
-  monkeypatch.setattr(jax, "process_count", lambda: 2)
-  with pytest.raises(InputError, match="multi-process training"):
-    loop.setup(stream_config(data_dir), str(tmp_path / "run"))
-
-
 # ------------------------------------------- evaluation datasets via pp_eval
 
 

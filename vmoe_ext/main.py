@@ -50,6 +50,14 @@ PREEMPTED = 143  # 128 + SIGTERM, as if the signal had ended the process.
 flags.DEFINE_string("workdir", os.path.join(".", "runs", "default"),
                     "Directory for checkpoints, metrics, plots and report.")
 flags.DEFINE_bool("debug", False, "Show the traceback of any error.")
+# Multi-process jobs (`vmoe_ext.sharding.multihost`, docs/sharding.md).
+flags.DEFINE_string("coordinator_address", None,
+                    "host:port of process 0, for jax.distributed.initialize.")
+flags.DEFINE_integer("num_processes", None, "Processes in the job.")
+flags.DEFINE_integer("process_id", None, "This process's index.")
+flags.DEFINE_bool("distributed", False,
+                  "Call jax.distributed.initialize() with no arguments (TPU "
+                  "pod slices, SLURM, Open MPI: jax finds the values).")
 
 
 def _fail(message: str, status: int = 2) -> NoReturn:
@@ -106,7 +114,10 @@ def parse_flags(argv: list[str]) -> list[str]:
 def _unexpected(error: BaseException, workdir: str) -> NoReturn:
   """A bug: one paragraph on stderr, the traceback in a file."""
   text = "".join(traceback.format_exception(error))
-  where = os.path.join(workdir, "error.txt")
+  import jax  # Imported by now: the error came from the run.
+  name = ("error.txt" if jax.process_count() == 1
+          else f"error.process{jax.process_index()}.txt")
+  where = os.path.join(workdir, name)
   try:
     with open(where, "w", encoding="utf-8") as f:
       f.write(text)
@@ -116,6 +127,23 @@ def _unexpected(error: BaseException, workdir: str) -> NoReturn:
            "not be saved")
   _fail(f"error: unexpected {type(error).__name__}: {error}. This is a bug "
         f"in vmoe_ext; {saved}, or re-run with --debug to see it.", status=1)
+
+
+def _check_multiprocess_mode(config) -> None:
+  """Multi-process jobs train (and evaluate after training); the carve and
+  evaluate-only modes run in one process."""
+  import jax
+  if jax.process_count() == 1:
+    return
+  robustness = config.get("robustness") or {}
+  for field, on in (("carve", config.get("carve") is not None),
+                    ("robustness.checkpoint_dir",
+                     robustness.get("checkpoint_dir") is not None),
+                    ("robustness.from_init", bool(robustness.get("from_init")))):
+    if on:
+      raise ConfigError(field, f"this mode runs in one process; this job "
+                        f"has {jax.process_count()} (drop the "
+                        "--coordinator_address/--distributed flags)")
 
 
 def run(config, workdir: str) -> str:
@@ -131,6 +159,7 @@ def run(config, workdir: str) -> str:
   from vmoe_ext.train.workdir import check_workdir
 
   validate_config(config)  # Everything, before any data or compilation.
+  _check_multiprocess_mode(config)
   if config.get("carve") is not None:  # Carve mode (vmoe_ext.carving.mode).
     from vmoe_ext.carving.mode import carve_checkpoint
     check_workdir(workdir)
@@ -164,6 +193,9 @@ def main(argv) -> None:
   warnings.formatwarning = lambda message, *_, **__: f"warning: {message}\n"
   config, workdir = FLAGS.config, FLAGS.workdir
   try:
+    from vmoe_ext.sharding.multihost import initialize
+    initialize(FLAGS.coordinator_address, FLAGS.num_processes,
+               FLAGS.process_id, auto=FLAGS.distributed)
     report = run(config, workdir)
   except ConfigError as e:
     if FLAGS.debug:
@@ -187,7 +219,8 @@ def main(argv) -> None:
     if FLAGS.debug:
       raise
     _unexpected(e, workdir)
-  if os.path.exists(report):
+  from vmoe_ext.sharding.multihost import is_main_process
+  if is_main_process() and os.path.exists(report):
     with open(report, encoding="utf-8") as f:
       print(f.read())
 

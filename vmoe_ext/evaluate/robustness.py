@@ -147,8 +147,11 @@ def evaluate_robustness(model: nn.Module, variables: Mapping[str, Any],
                         data_config: ml_collections.ConfigDict,
                         robustness: Mapping[str, Any], *, batch_size: int,
                         writer: MetricWriter, step: int,
-                        workdir: str) -> list[str]:
-  """Runs every configured evaluation; returns markdown report sections."""
+                        workdir: str, partitioning: Any = None) -> list[str]:
+  """Runs every configured evaluation; returns markdown report sections.
+
+  `partitioning`: the run's mesh, for global variables of a multi-process
+  job (see `Evaluator`)."""
   cfg = robustness_config(robustness)
   size = data_config.get("image_size")
   if cfg["attacks"] or cfg["sweep"] or cfg["corruptions"] is not None:
@@ -158,7 +161,7 @@ def evaluate_robustness(model: nn.Module, variables: Mapping[str, Any],
             f"({test.images.shape[1]}x{test.images.shape[2]}); resizing them "
             f"to {size} before attacking is not supported")
   mean, std = default_normalization(data_config)
-  evaluator = Evaluator(model, variables, mean, std)
+  evaluator = Evaluator(model, variables, mean, std, partitioning)
   data = _subset(test, cfg["num_examples"])
   sections = []
 

@@ -40,6 +40,7 @@ import numpy as np
 from vmoe_ext.evaluate.metrics import (layer_mean_std,
                                        load_balance_from_counts,
                                        router_instability_from_counts)
+from vmoe_ext.sharding.partitioning import Partitioning
 
 Array = jax.Array
 MAP_IMAGES = 8        # images in expert_maps.png
@@ -70,12 +71,18 @@ def top1_experts(expert_mask: Array, selected: Array) -> Array:
                    ).astype(jnp.int32)
 
 
-def make_routing_forward(model: nn.Module) -> Callable:
+def make_routing_forward(model: nn.Module,
+                         partitioning: Optional[Partitioning] = None
+                         ) -> Callable:
   """Jitted `forward(variables, images [B,H,W,C], example_mask [B],
   sample_index [k]) -> {"layer_i": {...}}`, per MoE layer:
   `assignments` `[E]` int32 (token->expert assignments of real examples),
   `top1` `[B, T]` int32, `samples` `[k, D]` float32 (the MoE inputs of the
-  flat token positions `sample_index` of `[B * T]`)."""
+  flat token positions `sample_index` of `[B * T]`).
+
+  With a `partitioning` (a multi-process job: every process passes the same
+  host arrays) images and mask become global arrays split over the batch,
+  the sample index is replicated, and the outputs come back replicated."""
 
   def forward(variables, images, example_mask, sample_index):
     _, state = model.apply(variables, images, deterministic=True,
@@ -96,7 +103,25 @@ def make_routing_forward(model: nn.Module) -> Callable:
       }
     return out
 
-  return jax.jit(forward)
+  if partitioning is None:
+    return jax.jit(forward)
+  part = partitioning
+  jitted = jax.jit(forward, out_shardings=part.replicated)
+
+  def replicated(x: Any) -> Any:
+    if not isinstance(x, np.ndarray):
+      return x  # A tracer (`jax.eval_shape`) or already a jax array.
+    return jax.make_array_from_callback(x.shape, part.replicated,
+                                        lambda index: x[index])
+
+  def split(x: Any) -> Any:
+    return part.global_from_full(x) if isinstance(x, np.ndarray) else x
+
+  def global_forward(variables, images, example_mask, sample_index):
+    return jitted(variables, split(images), split(example_mask),
+                  replicated(sample_index))
+
+  return global_forward
 
 
 class RoutingCounts:
@@ -217,7 +242,8 @@ def analyze_routing(model: nn.Module, variables: Mapping[str, Any],
                     mean: Any = 0.0, std: Any = 1.0,
                     map_examples: Sequence[int] = tuple(range(MAP_IMAGES)),
                     num_tokens: int = TSNE_TOKENS, seed: int = 0,
-                    on_batch: Optional[Callable[[], None]] = None
+                    on_batch: Optional[Callable[[], None]] = None,
+                    partitioning: Optional[Partitioning] = None
                     ) -> Optional[RoutingAnalysis]:
   """One pass over `batches` (`eval_batches`: normalised `image`, `mask`);
   None for a model without MoE layers.
@@ -233,10 +259,12 @@ def analyze_routing(model: nn.Module, variables: Mapping[str, Any],
     num_tokens: size of the uniform token sample for the t-SNE.
     seed: of that sample.
     on_batch: called after each batch (progress).
+    partitioning: the run's mesh, for a model whose variables are global
+      arrays of a multi-process job (see `make_routing_forward`).
   """
   if not getattr(model, "moe_layers", ()):
     return None
-  forward = make_routing_forward(model)
+  forward = make_routing_forward(model, partitioning)
   variables = {k: v for k, v in variables.items() if k != "intermediates"}
   rng = np.random.default_rng(seed)
   counts, sample = RoutingCounts(), TokenSample(num_tokens)

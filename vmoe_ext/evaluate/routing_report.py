@@ -22,6 +22,7 @@ from vmoe_ext.evaluate.routing_plots import (plot_expert_maps,
 from vmoe_ext.reporting.report_parts import markdown_table
 from vmoe_ext.reporting.writers import (MetricWriter, progress_bar,
                                        progress_line)
+from vmoe_ext.sharding.multihost import is_main_process
 
 SPLIT = "routing"
 EXPERT_MAPS = "expert_maps.png"
@@ -36,7 +37,7 @@ def evaluate_routing(model: nn.Module, variables: Mapping[str, Any],
                      batch_size: int, writer: MetricWriter, step: int,
                      workdir: str,
                      records: Sequence[Mapping[str, Any]] = (),
-                     seed: int = 0) -> list[str]:
+                     seed: int = 0, partitioning: Any = None) -> list[str]:
   """Analyses the routing of `test` and writes line, PNGs and section.
 
   Args:
@@ -49,6 +50,8 @@ def evaluate_routing(model: nn.Module, variables: Mapping[str, Any],
     records: the training record (`metrics.jsonl`), for the router-state
       heatmaps over training.
     seed: the token subsample of the t-SNE.
+    partitioning: the run's mesh, for global variables of a multi-process
+      job (`analyze_routing`).
 
   Returns:
     `["## Routing analysis ..."]`, or `[]` for a model without MoE layers.
@@ -62,13 +65,16 @@ def evaluate_routing(model: nn.Module, variables: Mapping[str, Any],
                     desc="routing") as bar:
     analysis = analyze_routing(model, variables, batches, mean=mean, std=std,
                                map_examples=map_examples(len(test)),
-                               seed=seed, on_batch=lambda: bar.update(1))
+                               seed=seed, on_batch=lambda: bar.update(1),
+                               partitioning=partitioning)
     if analysis is None:
       return []
     # Not marked final: like the robustness lines, only the clean `test`
     # line is (tools read `accuracy` from the final line).
     writer.write(step, SPLIT, analysis.metrics)
-    figures = _figures(analysis, records, workdir, seed)
+    # One process writes the PNGs (and pays for the t-SNE).
+    figures = (_figures(analysis, records, workdir, seed)
+               if is_main_process() else [])
     m = analysis.metrics
     progress_line(bar, f"routing: load balance {m['load_balance_mean']:.3f}"
                   + (f", instability {m['instability_mean']:.3f}"

@@ -286,14 +286,17 @@ def progress_bar(total: int, desc: str, **kw):
   counts as one) or the `CI` environment variable is set (to anything but
   "", "0", "false", "no"), unless the caller passes `disable=` explicitly.
   A disabled bar accepts `update`, `set_postfix`, iteration and `close` as
-  no-ops.
+  no-ops. Always disabled on the processes other than 0 of a multi-process
+  job: one process reports.
 
   Args:
     total: expected number of iterations.
     desc: label shown before the bar.
     **kw: further `tqdm.tqdm` arguments.
   """
-  if kw.get("disable") is None:
+  if not _is_main_process():
+    kw["disable"] = True
+  elif kw.get("disable") is None:
     kw["disable"] = bars_disabled()
   kw.setdefault("file", sys.stderr)
   kw.setdefault("dynamic_ncols", True)
@@ -308,7 +311,10 @@ def bars_disabled() -> bool:
 def progress_line(bar, text: str) -> None:
   """Prints `text` as one line on stderr when `bar` is disabled (or, for
   `bar=None`, where bars are: `bars_disabled()`), so runs under nohup, a pipe
-  or CI show progress."""
+  or CI show progress. Nothing on the processes other than 0 of a
+  multi-process job."""
+  if not _is_main_process():
+    return
   if (bars_disabled() if bar is None else getattr(bar, "disable", False)):
     print(text, file=sys.stderr, flush=True)
 

@@ -28,6 +28,18 @@ Typed keys in the target must be concrete arrays (not `ShapeDtypeStruct`s).
 
 `restore_variables` reads only some entries of the saved state (e.g. params
 and router state for evaluation, without the optimizer state).
+
+Sharded states: every array is saved with its sharding (each device's shard
+written by the process that holds it) and restored into the sharding of the
+corresponding leaf of `target_state`, whatever mesh saved it: a checkpoint
+written on a `(4, 2)` mesh restores onto `(8, 1)`, `(1, 8)` or one device,
+and back.
+
+Multi-process jobs: every process calls `save` and `restore` with the same
+arguments (orbax's collective protocol: each process writes its shards,
+process 0 the JSON items, the step directory's rename and the deletion of
+old steps, with barriers between); the cleanup of a failed save is process
+0's.
 """
 
 from __future__ import annotations
@@ -44,6 +56,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from vmoe_ext.errors import require
+from vmoe_ext.sharding.multihost import is_main_process
 from vmoe_ext.train.fingerprint import (check_fingerprint, config_fingerprint,
                                         fingerprint_diff, normalise_json,
                                         with_filled_model)
@@ -250,11 +263,14 @@ class CheckpointManager:
         raise self._save_error(step, e) from e
 
   def _discard_partial(self, step: int) -> None:
-    """Removes what a failed save of `step` left (frees the space it took)."""
-    pattern = os.path.join(glob.escape(self.directory),
-                           f"{step}.orbax-checkpoint-tmp*")
-    for path in glob.glob(pattern):
-      shutil.rmtree(path, ignore_errors=True)
+    """Removes what a failed save of `step` left (frees the space it took);
+    on process 0 only (no barrier: the other processes may not have failed
+    at the same point)."""
+    if is_main_process():
+      pattern = os.path.join(glob.escape(self.directory),
+                             f"{step}.orbax-checkpoint-tmp*")
+      for path in glob.glob(pattern):
+        shutil.rmtree(path, ignore_errors=True)
     self._manager.reload()
 
   def _save_error(self, step: int, error: Exception) -> CheckpointSaveError:

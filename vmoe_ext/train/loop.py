@@ -23,11 +23,13 @@ from vmoe_ext.data.stream_eval import (StreamingEvalSplit, open_test_split,
                                        streams_evaluation)
 from vmoe_ext.data.stream_iterator import StreamingTrainIterator
 from vmoe_ext.data.tfds_adapter import load_tfds_split
-from vmoe_ext.errors import InputError, require
+from vmoe_ext.errors import require
 from vmoe_ext.models import build_model
 from vmoe_ext.reporting.report import listify, write_report
 from vmoe_ext.reporting.writers import (MetricWriter, duration, progress_bar,
                                        progress_line, read_metrics)
+from vmoe_ext.sharding.multihost import is_main_process, process_rows
+from vmoe_ext.sharding.partitioning import Partitioning
 from vmoe_ext.train.checkpoints import CheckpointManager, config_fingerprint
 from vmoe_ext.train.initialization import check_init, load_init_params
 from vmoe_ext.train.optimizer import make_learning_rate, make_optimizer
@@ -59,6 +61,9 @@ class Run:
     train_iter: the training batch iterator (positioned by `restore`).
     checkpoints: the workdir's checkpoint manager.
     eval_split: the streamed test split (`data.pp_eval`), else None.
+    partitioning: the mesh and shardings (`sharding` section): the state
+      lives split by its rules, batches are global arrays assembled from
+      every process's rows, the steps are jitted with these shardings.
   """
   config: ml_collections.ConfigDict
   datasets: dict[str, ArrayDataset]
@@ -68,14 +73,32 @@ class Run:
   checkpoints: CheckpointManager
   resumed_extra: dict[str, Any] = dataclasses.field(default_factory=dict)
   eval_split: Optional[StreamingEvalSplit] = None
+  partitioning: Optional[Partitioning] = None
   _eval_step: Optional[Callable] = None
 
   def evaluate(self, split: str = "test") -> dict[str, Any]:
     """Accuracy, top-5, loss and routing metrics of `split` (jitted once)."""
     if self._eval_step is None:
-      self._eval_step = jax.jit(make_eval_step(
-          self.model, self.config.train.get("loss", "softmax_xent")))
-    return evaluate(self._eval_step, self.state, self.eval_batches(split))
+      self._eval_step = self.partitioning.jit_eval_step(make_eval_step(
+          self.model, self.config.train.get("loss", "softmax_xent")),
+                                                        self.state)
+    streamed = split == "test" and self.eval_split is not None
+    return evaluate(self._eval_step, self.state,
+                    (self.global_batch(b, local=streamed)
+                     for b in self.eval_batches(split)))
+
+  def global_batch(self, batch: dict, local: bool) -> dict:
+    """The global batch from a process's rows (`local`: the streaming
+    loaders' per-process share) or from a batch every process drew whole
+    (the in-memory loaders)."""
+    return self.partitioning.global_batch(batch if local
+                                          else process_rows(batch))
+
+  def next_batch(self) -> dict:
+    """The next training batch, a global array split over the mesh."""
+    return self.global_batch(
+        next(self.train_iter),
+        local=isinstance(self.train_iter, StreamingTrainIterator))
 
   def eval_batches(self, split: str = "test") -> Iterator[dict]:
     """Every example of `split` once, padded + masked, preprocessed."""
@@ -114,40 +137,39 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
   train step is compiled.
   """
   validate_config(config)
-  # The streaming loaders shard per process and gather their states, but
-  # the step does not yet take per-process batches as one global array:
-  # each process would train on its own batch alone.
-  if jax.process_count() > 1:
-    raise InputError("jax.process_count()", f"is {jax.process_count()}: "
-                     "multi-process training is not supported yet (the "
-                     "per-process batches are not assembled into global "
-                     "arrays); run a single process per job")
+  partitioning = Partitioning.from_config(config.get("sharding"))
   eval_split = None
   if config.data.get("streaming", False):
     datasets, train_iter, sample, num_classes, eval_split = _streaming_data(
         config)
   else:
     datasets, train_iter, sample, num_classes = _in_memory_data(config)
-  model = build_model(config.model)
-  validate_shapes(config, model, sample.shape, num_classes=num_classes)
+  model = build_model(config.model, partitioning.expert_parallel)
+  validate_shapes(config, model, sample.shape, num_classes=num_classes,
+                  partitioning=partitioning)
   init_key, state_key = jax.random.split(jax.random.key(config.seed))
+  # The parameters do not depend on the layout: initialise the unsplit
+  # model (on this process's rows), straight into the state's shardings.
+  init_model = build_model(config.model)
+  shapes = jax.eval_shape(lambda x: init_model.init(init_key, x), sample)
   init = config.get("init")
   if init is not None:  # Checked on shapes, before compiling model.init.
-    check_init(init, jax.eval_shape(model.init, init_key, sample)["params"])
-  variables = jax.jit(model.init)(init_key, sample)
+    check_init(init, shapes["params"])
+  variables = jax.jit(lambda x: init_model.init(init_key, x),
+                      out_shardings=partitioning.shardings(shapes))(sample)
   if init is not None:
     params, report = load_init_params(init, variables["params"])
     log.warning("%s", report.summary())
     variables = {**variables, "params": params}
-  state = TrainState.create(variables, make_optimizer(config.optimizer),
-                            state_key)
+  state = partitioning.shard(TrainState.create(
+      variables, make_optimizer(config.optimizer), state_key))
   checkpoints = CheckpointManager(
       os.path.join(workdir, "checkpoints"),
       save_every=config.train.checkpoint_every,
       keep=config.train.keep_checkpoints,
       config_fingerprint=config_fingerprint(config, state.params))
   return Run(config, datasets, model, state, train_iter, checkpoints,
-             eval_split=eval_split)
+             eval_split=eval_split, partitioning=partitioning)
 
 
 def _in_memory_data(config: ml_collections.ConfigDict):
@@ -228,6 +250,17 @@ class Preempted(Exception):
   """SIGTERM stopped training; a checkpoint of the current step was saved."""
 
 
+def _reached_preemption(step: int) -> bool:
+  """Whether every process of a multi-process job stops at `step`: jax's
+  preemption service (started by `jax.distributed.initialize`) caught a
+  SIGTERM in one of them and the processes agreed on this step."""
+  from jax.experimental import multihost_utils
+  try:
+    return multihost_utils.reached_preemption_sync_point(step)
+  except RuntimeError:  # The preemption service is off.
+    return False
+
+
 @contextlib.contextmanager
 def sigterm_flag(enabled: bool = True) -> Iterator[list]:
   """A list that gets an item when SIGTERM arrives (checked by the loop at
@@ -277,13 +310,22 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
       would (no final evaluation, no report; returns None). Used to test that
       resuming gives the same result as an uninterrupted run.
     handle_sigterm: on SIGTERM, save a checkpoint at the next step boundary
-      and raise `Preempted` (the binary exits with 143).
+      and raise `Preempted` (the binary exits with 143). In a multi-process
+      job the processes agree on that step through jax's preemption sync
+      point (`multihost_utils.reached_preemption_sync_point`; SIGTERM to any
+      one of them stops them all at the same step).
+
+  Multi-process jobs (`jax.process_count() > 1`, every process given the
+  same `workdir` on a shared file system): every process trains, evaluates
+  and takes part in the checkpoint saves and restores; only process 0 holds
+  the workdir lock, writes `metrics.jsonl`, TensorBoard events, plots and
+  `report.md`, and prints progress. Every process returns the final metrics.
   """
   start = time.time()
   run = setup(config, workdir)  # Bad config or data: nothing written yet.
   with WorkdirLock(workdir), contextlib.ExitStack() as stack:
     resumed = run.restore()
-    if resumed is not None:
+    if resumed is not None and is_main_process():
       log.warning("Resuming from the checkpoint of step %d in %s", resumed,
                   workdir)
     stack.callback(run.checkpoints.close)
@@ -295,8 +337,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     else:
       writer.truncate(after_step=int(run.state.step))
     history = _history_from_json(run.resumed_extra.get("history", []))
-    with sigterm_flag(handle_sigterm) as sigterm:
-      step = _train(run, writer, history, sigterm, stop_at_step)
+    multi = jax.process_count() > 1
+    with sigterm_flag(handle_sigterm and not multi) as sigterm:
+      step = _train(run, writer, history, sigterm, stop_at_step,
+                    sync_preemption=handle_sigterm and multi)
     if step is None:
       return None
     # The last checkpoint comes before the final evaluation: a run killed
@@ -312,6 +356,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
       sections = after_training(run=run, writer=writer)
   final = listify(final)
   final["step"] = step
+  if not is_main_process():
+    return final
   write_report(workdir, final_metrics=final, records=read_metrics(workdir),
                config_summary=config.to_dict(),
                wall_seconds=time.time() - start, extra_sections=sections)
@@ -319,12 +365,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
 
 
 def _train(run: Run, writer: MetricWriter, history: list, sigterm: list,
-           stop_at_step: Optional[int]) -> Optional[int]:
+           stop_at_step: Optional[int], sync_preemption: bool = False
+           ) -> Optional[int]:
   """The training loop from `run.state.step` to `train.total_steps`.
 
   Returns the last step, or None when stopped at `stop_at_step`. Raises
   `NonFiniteError` (nothing saved after the first bad step) or `Preempted`
-  (after saving the current step) when SIGTERM arrived.
+  (after saving the current step) when SIGTERM arrived (`sigterm` got an
+  item or, with `sync_preemption`, jax's preemption sync point of the
+  processes is reached).
   """
   config = run.config
   step = int(run.state.step)
@@ -334,24 +383,25 @@ def _train(run: Run, writer: MetricWriter, history: list, sigterm: list,
   # `history` keeps metrics, never states. No host sync per step: the NaN
   # guard runs on the device (see `make_train_step`) and is read back by
   # `check_finite` before anything is logged, evaluated or saved.
-  train_step = jax.jit(make_train_step(
+  train_step = run.partitioning.jit_train_step(make_train_step(
       run.model, label_smoothing=config.train.get("label_smoothing", 0.0),
       learning_rate_fn=make_learning_rate(config.optimizer),
       mixup=config.train.get("mixup"),
-      loss_type=config.train.get("loss", "softmax_xent")),
-                       donate_argnums=0)
+      loss_type=config.train.get("loss", "softmax_xent")), run.state)
   save = lambda: run.save(metrics_lines=writer.num_lines(),
                           history=_history_to_json(history))
   # Throughput from the end of the first step on (it includes compiling).
   timed_from, since = step + 1, time.time()
   with progress_bar(total=total, desc="train", initial=step) as bar:
     while step < total:
-      run.state, metrics = train_step(run.state, next(run.train_iter))
+      run.state, metrics = train_step(run.state, run.next_batch())
       step += 1
       if step == timed_from:
         since = time.time()
       history.append(metrics)
       bar.update(1)
+      if sync_preemption and _reached_preemption(step):
+        sigterm.append(time.time())
       log_now = step % config.train.log_every == 0 or step == total
       eval_now = bool(eval_every) and step % eval_every == 0 and step < total
       save_now = run.checkpoints.should_save(step)

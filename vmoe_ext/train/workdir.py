@@ -7,6 +7,11 @@ so it also holds for root on a read-only mount), or in use by another run.
 whole run; the kernel releases it when the process ends, even by `kill -9`,
 so a stale lock never blocks a resume. (flock works on local file systems;
 on network file systems that do not support it the lock is a no-op.)
+
+In a multi-process job every process points at the same workdir (a shared
+file system); only process 0 takes the lock and checks it, and hands the
+outcome to the others (`multihost.agree`), so a workdir in use by another
+run stops every process with the same `ConfigError`.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import tempfile
 from typing import Optional
 
 from vmoe_ext.errors import ConfigError
+from vmoe_ext.sharding.multihost import agree, is_main_process
 
 LOCK_FILE = ".lock"
 FIELD = "--workdir"
@@ -69,7 +75,7 @@ def check_workdir(workdir: str) -> None:
       raise ConfigError(FIELD, f"{directory!r} is not writable ({reason}); "
                         "give a writable directory (a run writes its "
                         "checkpoints, metrics and report there)")
-  holder = locked_by(workdir)
+  holder = agree(locked_by(workdir) if is_main_process() else None)
   if holder is not None:
     raise ConfigError(FIELD, f"{workdir!r} is in use by another run "
                       f"({holder}); wait for it to finish or stop it, or "
@@ -111,7 +117,8 @@ class WorkdirLock:
   """Exclusive advisory lock on `WORKDIR/.lock` (the directory is created).
 
   Use as a context manager; `acquire` raises ConfigError("--workdir") when
-  another process holds it.
+  another process holds it. In a multi-process job only process 0 takes it
+  (the others hold nothing and raise the same error when it is refused).
   """
 
   def __init__(self, workdir: str):
@@ -120,6 +127,22 @@ class WorkdirLock:
     self._fd: Optional[int] = None
 
   def acquire(self) -> "WorkdirLock":
+    refused, error = None, None
+    if is_main_process():
+      try:
+        self._acquire()
+      except ConfigError as e:
+        refused, error = e.reason, e
+      except Exception as e:  # pylint: disable=broad-except
+        refused, error = f"process 0 could not lock {self.path!r}: {e}", e
+    refused = agree(refused)
+    if error is not None:
+      raise error
+    if refused is not None:
+      raise ConfigError(FIELD, refused)
+    return self
+
+  def _acquire(self) -> None:
     os.makedirs(self.workdir, exist_ok=True)
     fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -134,7 +157,6 @@ class WorkdirLock:
     os.ftruncate(fd, 0)
     os.write(fd, str(os.getpid()).encode())
     self._fd = fd
-    return self
 
   def release(self) -> None:
     if self._fd is not None:
