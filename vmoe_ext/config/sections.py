@@ -388,23 +388,8 @@ CARVE = Section(_carve_fields, default=None, nullable=True, check=_check_carve,
 
 
 def _check_sharding(value: dict[str, Any]) -> None:
-  from vmoe_ext.sharding.mesh import sharding_config
-  from vmoe_ext.sharding.rules import check_rules
-  config = sharding_config(value)
-  axes = tuple(config["axes"])
-  require(len(set(axes)) == len(axes), "axes",
-          f"must be distinct axis names, got {axes}")
-  require(len(config["shape"]) == len(axes), "shape",
-          f"has {len(config['shape'])} sizes for the {len(axes)} axes {axes}")
-  shape = tuple(config["shape"])
-  require(all(n == -1 or n >= 1 for n in shape) and shape.count(-1) <= 1,
-          "shape", f"sizes must be >= 1, with at most one -1 (the devices "
-          f"left over), got {shape}")
-  require(config["expert_axis"] is None or config["expert_axis"] in axes,
-          "expert_axis", f"{config['expert_axis']!r} is not one of "
-          f"sharding.axes {axes}")
-  if config["rules"] is not None:
-    check_rules(config["rules"], axes, field="rules")
+  from vmoe_ext.sharding.mesh import check_layout, sharding_config
+  check_layout(sharding_config(value))
 
 
 SHARDING = Section({

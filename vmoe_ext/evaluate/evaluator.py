@@ -60,15 +60,8 @@ class Evaluator:
       if isinstance(x, jax.Array) and not x.is_fully_addressable:
         # Already global (an attack's replicated output): split like the
         # host inputs, so the forward compiles once.
-        return jax.device_put(x, part.batch if x.ndim and x.shape[0]
-                              % part.num_shards == 0 else part.replicated)
-      if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        data = np.asarray(jax.random.key_data(x))
-        return jax.random.wrap_key_data(
-            jax.make_array_from_callback(data.shape, part.replicated,
-                                         lambda index: data[index]),
-            impl=jax.random.key_impl(x))
-      return part.global_from_full(np.asarray(x))
+        return jax.device_put(x, part.sharding_of(x.shape))
+      return part.global_from_full(x)
 
     return lambda variables, *args: jitted(variables, *map(to_global, args))
 

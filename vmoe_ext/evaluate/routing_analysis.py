@@ -108,18 +108,14 @@ def make_routing_forward(model: nn.Module,
   part = partitioning
   jitted = jax.jit(forward, out_shardings=part.replicated)
 
-  def replicated(x: Any) -> Any:
+  def put(x: Any, split: bool = True) -> Any:
     if not isinstance(x, np.ndarray):
       return x  # A tracer (`jax.eval_shape`) or already a jax array.
-    return jax.make_array_from_callback(x.shape, part.replicated,
-                                        lambda index: x[index])
-
-  def split(x: Any) -> Any:
-    return part.global_from_full(x) if isinstance(x, np.ndarray) else x
+    return part.global_from_full(x, split)
 
   def global_forward(variables, images, example_mask, sample_index):
-    return jitted(variables, split(images), split(example_mask),
-                  replicated(sample_index))
+    return jitted(variables, put(images), put(example_mask),
+                  put(sample_index, split=False))
 
   return global_forward
 

@@ -26,9 +26,10 @@ import os
 import sys
 from typing import Any, Iterator, Mapping, Optional
 
-import jax
 import numpy as np
 from tqdm.auto import tqdm
+
+from vmoe_ext.sharding.multihost import is_main_process
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -78,10 +79,6 @@ def _tb_scalars(name: str, value: Any) -> Iterator[tuple[str, float]]:
     yield "/".join([name, *map(str, index)]), float(array[index])
 
 
-def _is_main_process() -> bool:
-  return jax.process_index() == 0
-
-
 class MetricWriter:
   """Appends metrics to `WORKDIR/metrics.jsonl` and TensorBoard events.
 
@@ -100,7 +97,7 @@ class MetricWriter:
     """
     self.workdir = os.fspath(workdir)
     self.path = os.path.join(self.workdir, METRICS_FILE)
-    self._enabled = _is_main_process()
+    self._enabled = is_main_process()
     self._file = None
     self._tb = None
     self._closed = False
@@ -294,7 +291,7 @@ def progress_bar(total: int, desc: str, **kw):
     desc: label shown before the bar.
     **kw: further `tqdm.tqdm` arguments.
   """
-  if not _is_main_process():
+  if not is_main_process():
     kw["disable"] = True
   elif kw.get("disable") is None:
     kw["disable"] = bars_disabled()
@@ -313,7 +310,7 @@ def progress_line(bar, text: str) -> None:
   `bar=None`, where bars are: `bars_disabled()`), so runs under nohup, a pipe
   or CI show progress. Nothing on the processes other than 0 of a
   multi-process job."""
-  if not _is_main_process():
+  if not is_main_process():
     return
   if (bars_disabled() if bar is None else getattr(bar, "disable", False)):
     print(text, file=sys.stderr, flush=True)

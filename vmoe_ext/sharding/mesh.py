@@ -25,6 +25,7 @@ from jax.sharding import AxisType, Mesh
 
 from vmoe_ext.errors import require
 from vmoe_ext.moe.expert_parallel import ExpertParallel
+from vmoe_ext.sharding.rules import check_rules
 
 DEFAULTS: dict[str, Any] = {
     "axes": ("data", "expert"),
@@ -41,10 +42,12 @@ def sharding_config(section: Optional[Mapping[str, Any]]) -> dict[str, Any]:
                          or k == "expert_axis"}}
 
 
-def mesh_shape(axes: Sequence[str], shape: Sequence[int],
-               num_devices: int) -> tuple[int, ...]:
-  """The shape with its -1 resolved; errors name `sharding.*`."""
-  axes, shape = tuple(axes), tuple(int(s) for s in shape)
+def check_layout(config: Mapping[str, Any]) -> None:
+  """What a filled `sharding` section must satisfy whatever the devices:
+  distinct axes, one size each (>= 1, at most one -1), the expert axis one
+  of them, well-formed rules naming only those axes; errors name
+  `sharding.*`."""
+  axes, shape = tuple(config["axes"]), tuple(int(s) for s in config["shape"])
   require(len(axes) > 0 and len(set(axes)) == len(axes), "sharding.axes",
           f"must be distinct axis names, got {axes}")
   require(len(shape) == len(axes), "sharding.shape",
@@ -52,6 +55,19 @@ def mesh_shape(axes: Sequence[str], shape: Sequence[int],
   require(all(s == -1 or s >= 1 for s in shape) and shape.count(-1) <= 1,
           "sharding.shape", f"sizes must be >= 1, with at most one -1 (the "
           f"devices left over), got {shape}")
+  expert = config["expert_axis"]
+  require(expert is None or expert in axes, "sharding.expert_axis",
+          f"{expert!r} is not one of sharding.axes {axes}")
+  if config["rules"] is not None:
+    check_rules(config["rules"], axes)
+
+
+def mesh_shape(axes: Sequence[str], shape: Sequence[int],
+               num_devices: int) -> tuple[int, ...]:
+  """The shape with its -1 resolved; errors name `sharding.*`."""
+  check_layout({"axes": axes, "shape": shape, "expert_axis": None,
+                "rules": None})
+  axes, shape = tuple(axes), tuple(int(s) for s in shape)
   fixed = math.prod(s for s in shape if s != -1)
   if -1 in shape:
     require(num_devices % fixed == 0, "sharding.shape",
@@ -68,12 +84,10 @@ def make_mesh(section: Optional[Mapping[str, Any]] = None,
               devices: Optional[Sequence[Any]] = None) -> Mesh:
   """The mesh of a `sharding` section over `devices` (all by default)."""
   config = sharding_config(section)
+  check_layout(config)
   devices = list(jax.devices() if devices is None else devices)
   shape = mesh_shape(config["axes"], config["shape"], len(devices))
   axes = tuple(config["axes"])
-  expert = config["expert_axis"]
-  require(expert is None or expert in axes, "sharding.expert_axis",
-          f"{expert!r} is not one of sharding.axes {axes}")
   types = (AxisType.Auto,) * len(axes)
   if devices == list(jax.devices()):
     return jax.make_mesh(shape, axes, axis_types=types)
@@ -84,14 +98,11 @@ def expert_parallel(mesh: Mesh, section: Optional[Mapping[str, Any]] = None
                     ) -> Optional[ExpertParallel]:
   """The MoE layers' layout on `mesh`, or None on one device (the layers
   then run as they are; there is nothing to split)."""
-  config = sharding_config(section)
-  if mesh.size == 1:
+  expert = sharding_config(section)["expert_axis"]
+  if mesh.size == 1 or expert is None:  # None: pure data parallelism.
     return None
-  expert = config["expert_axis"]
-  axes = tuple(mesh.axis_names)
-  if expert is None:  # Pure data parallelism: experts replicated.
-    return None
-  return ExpertParallel(mesh, expert, tuple(a for a in axes if a != expert))
+  return ExpertParallel(mesh, expert,
+                        tuple(a for a in mesh.axis_names if a != expert))
 
 
 def batch_axes(mesh: Mesh) -> tuple[str, ...]:

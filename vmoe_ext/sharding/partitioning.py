@@ -27,7 +27,7 @@ from vmoe_ext.errors import require
 from vmoe_ext.moe.expert_parallel import ExpertParallel
 from vmoe_ext.sharding.mesh import (batch_axes, expert_parallel, make_mesh,
                                     sharding_config)
-from vmoe_ext.sharding.rules import Rules, check_rules, named_shardings
+from vmoe_ext.sharding.rules import Rules, named_shardings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,10 +49,8 @@ class Partitioning:
                   devices: Optional[Any] = None) -> "Partitioning":
     """From a `sharding` config section; errors name its fields."""
     config = sharding_config(section)
-    mesh = make_mesh(config, devices)
+    mesh = make_mesh(config, devices)  # Checks the rules too.
     rules = config["rules"]
-    if rules is not None:
-      check_rules(rules, tuple(mesh.axis_names))
     return cls(mesh, None if rules is None else tuple(map(tuple, rules)),
                expert_parallel(mesh, config))
 
@@ -96,14 +94,29 @@ class Partitioning:
     return {k: jax.make_array_from_process_local_data(
         self.batch, np.asarray(v)) for k, v in local.items()}
 
-  def global_from_full(self, full: Any) -> jax.Array:
-    """A global array split over the batch from a host array every process
-    holds in full (in-memory evaluation data, attack inputs)."""
+  def global_from_full(self, full: Any, split: bool = True) -> jax.Array:
+    """A global array from a host array every process holds in full
+    (in-memory evaluation data, attack inputs, index vectors, PRNG keys):
+    split over the batch when `split` and its rows divide over the devices,
+    else replicated. A typed PRNG key comes back a (replicated) typed key."""
+    dtype = getattr(full, "dtype", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype,
+                                                   jax.dtypes.prng_key):
+      return jax.random.wrap_key_data(
+          self.global_from_full(jax.random.key_data(full), split=False),
+          impl=jax.random.key_impl(full))
     full = np.asarray(full)
-    sharding = (self.batch if full.shape[0] % self.num_shards == 0
-                else self.replicated)
-    return jax.make_array_from_callback(full.shape, sharding,
-                                        lambda index: full[index])
+    return jax.make_array_from_callback(
+        full.shape, self.sharding_of(full.shape, split),
+        lambda index: full[index])
+
+  def sharding_of(self, shape: tuple[int, ...], split: bool = True
+                  ) -> NamedSharding:
+    """`batch` for an array of `shape` whose rows divide over the devices
+    (when `split`), else `replicated`."""
+    if split and len(shape) and shape[0] % self.num_shards == 0:
+      return self.batch
+    return self.replicated
 
   def jit_train_step(self, step: Callable, state: Any) -> Callable:
     """`step(state, batch) -> (state, metrics)` jitted: state in and out
