@@ -10,7 +10,7 @@ import numpy as np
 import scipy.stats
 
 from vmoe_ext.moe import losses
-from vmoe_ext.routers.topk import noisy_top_k
+from vmoe_ext.routers.noisy_top_k import noisy_top_k
 
 
 def test_cv_squared_hand_case():

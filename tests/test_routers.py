@@ -11,7 +11,7 @@ import naive
 from vmoe_ext.errors import ConfigError
 from vmoe_ext.moe import MoeLayer, compute_capacity
 from vmoe_ext.routers import ROUTERS, RoutingContext, build_router
-from vmoe_ext.routers.topk import NoisyTopKRouter
+from vmoe_ext.routers.noisy_top_k import NoisyTopKRouter
 
 ROUTER_CONFIGS = {
     "noisy_topk": {"name": "noisy_topk", "num_selected": 2},

@@ -21,7 +21,7 @@ from vmoe_ext.moe.routing import (ExpertChoiceRouting, SoftRouting,
                                   TokenChoiceRouting)
 from vmoe_ext.routers.expert_choice import ExpertChoiceRouter
 from vmoe_ext.routers.registry import ROUTERS, build_router
-from vmoe_ext.routers.topk import NoisyTopKRouter
+from vmoe_ext.routers.noisy_top_k import NoisyTopKRouter
 
 
 def test_expert_choice_assignment_hand_case():

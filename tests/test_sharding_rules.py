@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 from vmoe_ext.errors import ConfigError
 from vmoe_ext.moe.dispatch import make_dispatch_plan
 from vmoe_ext.moe.routing import TokenChoiceRouting
-from vmoe_ext.moe.top_k import top_k
+from vmoe_ext.moe.select import partitionable_top_k
 from vmoe_ext.sharding.mesh import make_mesh, mesh_shape
 from vmoe_ext.sharding.multihost import initialize, process_rows
 from vmoe_ext.sharding.partitioning import Partitioning
@@ -153,15 +153,15 @@ def test_top_k_equals_lax_top_k_with_ties_and_gradients():
   x = x.at[1, 1, :].set(0.5)  # All tied.
   for k in (1, 2, 8):
     ref_v, ref_i = jax.lax.top_k(x, k)
-    v, i = top_k(x, k)
+    v, i = partitionable_top_k(x, k)
     np.testing.assert_array_equal(v, ref_v)
     np.testing.assert_array_equal(i, ref_i)
     w = jax.random.normal(jax.random.key(1), ref_v.shape)
     g_ref = jax.grad(lambda z: jnp.sum(jax.lax.top_k(z, k)[0] * w))(x)
-    g = jax.grad(lambda z: jnp.sum(top_k(z, k)[0] * w))(x)
+    g = jax.grad(lambda z: jnp.sum(partitionable_top_k(z, k)[0] * w))(x)
     np.testing.assert_array_equal(g, g_ref)
   with pytest.raises(ValueError):
-    top_k(x, 9)
+    partitionable_top_k(x, 9)
 
 
 def test_drop_counts_give_the_drop_rate():

@@ -1,4 +1,5 @@
-"""Fast gradient sign method (Goodfellow et al. 2015; DESIGN §4.9).
+"""Fast gradient sign method (Goodfellow et al. 2015; docs/robustness.md,
+"Attacks").
 
     x_adv = clip_range(x + eps * sign(grad_x J(x)))
 

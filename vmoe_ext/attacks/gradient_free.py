@@ -1,4 +1,5 @@
-"""SPSA: gradient-free Linf attack (Uesato et al. 2018; DESIGN §4.9).
+"""SPSA: gradient-free Linf attack (Uesato et al. 2018; docs/robustness.md,
+"Attacks").
 
 Each example minimises its margin loss
 `f(x) = logit[y] - max_{j != y} logit[j]` (targeted: `max_{j != t} logit[j] -

@@ -1,4 +1,5 @@
-"""Projected gradient descent (Madry et al. 2018), Linf and L2 (DESIGN §4.9).
+"""Projected gradient descent (Madry et al. 2018), Linf and L2
+(docs/robustness.md, "Attacks").
 
 One PGD step on the objective `J(x) = mean_b CE(logits_fn(x)[b], labels[b])`
 (targeted: `J = -mean_b CE(., targets)`, i.e. CE to the targets is minimised;

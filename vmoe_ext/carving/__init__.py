@@ -1,4 +1,5 @@
-"""CMoE: carving a Mixture-of-Experts out of a trained dense ViT (DESIGN §4.8).
+"""CMoE: carving a Mixture-of-Experts out of a trained dense ViT
+(docs/carving.md).
 
 * `profiling` — hidden states, activation markers and rates of a dense MLP;
 * `grouping` — the shared expert, balanced K-means of the routed experts by

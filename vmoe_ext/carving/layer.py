@@ -1,4 +1,5 @@
-"""Carving one dense MLP into an MoE layer's parameters (CMoE; DESIGN §4.8).
+"""Carving one dense MLP into an MoE layer's parameters (CMoE; docs/carving.md,
+"The algorithm").
 
 `carve_mlp` profiles the MLP on calibration tokens, groups its hidden units
 into a shared expert and balanced routed experts, and picks each routed

@@ -1,4 +1,5 @@
-"""Carving a dense ViT into a V-MoE, block by block (CMoE; DESIGN §4.8).
+"""Carving a dense ViT into a V-MoE, block by block (CMoE; docs/carving.md,
+"The algorithm").
 
 Blocks are carved in increasing order, each calibrated on the output of the
 blocks already carved: block i's calibration tokens are the inputs of its

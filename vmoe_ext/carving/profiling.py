@@ -1,4 +1,5 @@
-"""Activation profiling of a dense MLP (CMoE step 1; DESIGN §4.8).
+"""Activation profiling of a dense MLP (CMoE step 1; docs/carving.md,
+"The algorithm").
 
 For calibration tokens `X` `[N, D]` (the MLP's inputs: the block's
 pre-LayerNorm output) the hidden state is `H = act(X W_0 + b_0)` `[N, H]`

@@ -1,5 +1,6 @@
 """Evaluation: accuracy, routing change, load balance, router instability,
-corruption error / mCE, OOD AUPR, 200-class subsets (DESIGN §4.10).
+corruption error / mCE, OOD AUPR, 200-class subsets (docs/robustness.md,
+"Metrics").
 
 Host-side numpy metrics (`metrics`, `corruption_metrics`); `Evaluator` (a
 model as jitted functions of raw images); what the binary runs after training

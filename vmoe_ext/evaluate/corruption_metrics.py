@@ -1,4 +1,5 @@
-"""Corruption robustness: per-corruption error, ImageNet-C mCE (DESIGN §4.10).
+"""Corruption robustness: per-corruption error, ImageNet-C mCE
+(docs/robustness.md, "Metrics").
 
 Protocol of Hendrycks & Dietterich (2019): the error `E_c` of corruption c is
 the top-1 error averaged over its severities (1..5); the corruption error is
@@ -16,8 +17,9 @@ import numpy as np
 
 from vmoe_ext.errors import check
 
-# AlexNet top-1 error on ImageNet-C averaged over severities (DESIGN §4.10),
-# in the order of `vmoe_ext.data.corruptions.CORRUPTIONS`.
+# AlexNet top-1 error on ImageNet-C averaged over severities (Hendrycks &
+# Dietterich 2019; docs/robustness.md, "Metrics"), in the order of
+# `vmoe_ext.data.corruptions.CORRUPTIONS`.
 ALEXNET_ERRORS: dict[str, float] = {
     "gaussian_noise": 0.886428,
     "shot_noise": 0.894468,

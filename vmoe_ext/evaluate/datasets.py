@@ -1,4 +1,5 @@
-"""Robustness on external evaluation datasets (DESIGN §4.10): corrupted
+"""Robustness on external evaluation datasets (docs/robustness.md,
+"Evaluation datasets"): corrupted
 datasets with mCE (ImageNet-C, CIFAR-10-C), accuracy on 200-class subsets
 (ImageNet-A/R) and out-of-distribution detection AUPR (ImageNet-O).
 

@@ -1,4 +1,5 @@
-"""Auxiliary load-balancing losses of sparse MoE routers (DESIGN §4.1).
+"""Auxiliary load-balancing losses of sparse MoE routers (docs/routers.md,
+"Auxiliary losses").
 
 Every loss takes per-group arrays `[G, S, E]` (or `[G, S]`) and returns a
 scalar: the loss is computed per group and averaged over groups, so a sharded
@@ -10,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from vmoe_ext.moe.top_k import top_k
+from vmoe_ext.moe.select import partitionable_top_k
 
 Array = jax.Array
 
@@ -41,7 +42,8 @@ def load_loss(logits: Array, noisy_logits: Array, noise_std: float,
   expert e stays in the top-K when its noise is resampled is
   `p[s, e] = 1 - Phi((thr_s - l[s, e]) / noise_std)`; `load_e = sum_s p[s, e]`.
   """
-  threshold = top_k(noisy_logits, num_selected)[0][..., -1:]  # [G,S,1]
+  # [G, S, 1]: the K-th largest noisy logit.
+  threshold = partitionable_top_k(noisy_logits, num_selected)[0][..., -1:]
   z = (threshold - logits) / noise_std
   prob = 1.0 - jax.scipy.stats.norm.cdf(z)
   load = jnp.sum(prob, axis=-2)  # [G, E]

@@ -28,7 +28,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from vmoe_ext.moe.top_k import top_k
+from vmoe_ext.moe.select import partitionable_top_k
 
 Array = jax.Array
 
@@ -144,7 +144,8 @@ class SoftRouting:
     g, s, e, p = self.combine_weights.shape
     del num_experts
     k = min(self.assigned_slots, e * p)
-    gates, slots = top_k(self.combine_weights.reshape(g, s, e * p), k)
+    gates, slots = partitionable_top_k(
+        self.combine_weights.reshape(g, s, e * p), k)
     return ((slots // p).astype(jnp.int32), gates,
             jnp.ones(slots.shape, jnp.bool_))
 

@@ -1,7 +1,7 @@
 """Metric writers: `metrics.jsonl`, TensorBoard event files, progress bars.
 
 `WORKDIR/metrics.jsonl` is the machine-readable record other tools read
-(DESIGN.md §6.1): one JSON object per line,
+(docs/training.md, "Outputs and guarantees"): one JSON object per line,
 
   {"step": 100, "split": "train", "loss": 0.69, "layer_1/load": [0.5, 0.5]}
   {"step": 500, "split": "test", "accuracy": 0.91, "final": true}

@@ -1,4 +1,5 @@
-"""The Adaptive Clustering router (ACMoE; DESIGN §4.4) over any base router.
+"""The Adaptive Clustering router (ACMoE) over any base router
+(docs/routers.md, "`acmoe` — Adaptive Clustering router").
 
 `ACMoERouter` wraps a base router given by its config (`base`: "noisy_topk",
 "cosine", "cosine_lm", "top_p", "soft", ...). On an AC layer it scales each
@@ -43,8 +44,8 @@ from vmoe_ext.routers.wrapper import WrapperRouter
 
 Array = jax.Array
 LAYER_PRESETS = ("full", "skip1", "skip2", "alternating", "back_half")
-# `layers="preset"`: where the authors' runs put the first AC layer (DESIGN
-# §4.4 table): LM code on MoE layers 3-6 of 6 (skip-1), Swin from the 2nd MoE
+# `layers="preset"`: where the authors' runs put the first AC layer
+# (docs/routers.md, "`acmoe`", the `layers` field): LM code on MoE layers 3-6 of 6 (skip-1), Swin from the 2nd MoE
 # block of the stage and SoftMoE from the 2nd MoE layer (full); the paper's
 # Definition 2 from the 2nd MoE layer on (full).
 PRESET_LAYERS = {"paper": "full", "language": "skip1", "swin": "full",

@@ -1,4 +1,5 @@
-"""The Adaptive Clustering transform of ACMoE (DESIGN §4.4), as pure functions.
+"""The Adaptive Clustering transform of ACMoE, as pure functions
+(docs/routers.md, "`acmoe` — Adaptive Clustering router").
 
 Shape letters: N tokens (the whole batch, token-major), D features, E clusters
 (the previous MoE layer's experts), K entries of the previous layer's
@@ -15,7 +16,8 @@ clusters (Mix-k). Nothing here is learnable and no gradient flows through the
 scaling: the statistics are computed on stop-gradient tokens.
 
 The `normalization` presets follow the paper and the authors' three code bases
-(DESIGN §4.4 table); every field can be overridden:
+(docs/routers.md, "`acmoe`", the presets table); every field can be
+overridden:
 
 | preset   | eps  | clamp | mean              | stat tokens | scaled go to | mix |
 |----------|------|-------|-------------------|-------------|--------------|-----|

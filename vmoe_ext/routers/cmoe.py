@@ -1,4 +1,5 @@
-"""CMoE's training-free router with bias load balancing (Pei et al. 2025; DESIGN §4.8).
+"""CMoE's training-free router with bias load balancing (Pei et al. 2025;
+docs/routers.md, "`cmoe`", and docs/carving.md, "The algorithm").
 
 A carved MoE layer routes each token with the hidden units of one
 representative neuron per routed expert (`vmoe_ext.carving` builds the
@@ -39,7 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from vmoe_ext.errors import require
-from vmoe_ext.moe.top_k import top_k
+from vmoe_ext.moe.select import partitionable_top_k
 from vmoe_ext.moe.contract import (ROUTER_STATE, Router, RouterOutput,
                                    RoutingContext)
 from vmoe_ext.moe.experts import GATED, check_activation, hidden_activation
@@ -76,7 +77,7 @@ def cmoe_top_k(scores: Array, bias: Array, scale: Array, num_selected: int
   """
   s = jax.nn.softmax(scores, axis=-1)
   biased = s + jax.lax.stop_gradient(bias).astype(s.dtype)
-  _, indices = top_k(biased, num_selected)
+  _, indices = partitionable_top_k(biased, num_selected)
   weights = 1.0 + jnp.take_along_axis(s, indices, axis=-1) * scale[indices]
   return TokenChoiceRouting.create(indices, weights), s
 

@@ -1,10 +1,12 @@
-"""XMoE cosine router (Chi et al. 2022; DESIGN §4.3) and the ACMoE authors' LM base router.
+"""XMoE cosine router (Chi et al. 2022) and the ACMoE authors' LM base router
+(docs/routers.md, "`cosine` — XMoE" and "`cosine_lm`").
 
 Scores are cosine similarities in a low-dimensional space:
 `l[s, e] = <normalize(x_s P), normalize(e_e)> / tau` with a projection
 `P[D, R]` (no bias), expert embeddings `e[E, R]` and a temperature `tau`, then
-the V-MoE top-k selection (`vmoe_ext.routers.topk`). `normalize` is torch's
-`F.normalize` (`v / max(||v||, 1e-4)`), as in the X-MoE gate of torchscale.
+the V-MoE top-k selection (`vmoe_ext.routers.noisy_top_k`). `normalize` is
+torch's `F.normalize` (`v / max(||v||, 1e-4)`), as in the X-MoE gate of
+torchscale.
 
 Registered names:
 
@@ -28,7 +30,7 @@ import jax.numpy as jnp
 
 from vmoe_ext.errors import require
 from vmoe_ext.moe.contract import RoutingContext
-from vmoe_ext.routers.topk import NoisyTopKRouter
+from vmoe_ext.routers.noisy_top_k import NoisyTopKRouter
 
 Array = jax.Array
 NORMALIZE_EPS = 1e-4

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from vmoe_ext.errors import require
-from vmoe_ext.moe.top_k import top_k
+from vmoe_ext.moe.select import partitionable_top_k
 from vmoe_ext.moe import losses
 from vmoe_ext.moe.routing import ExpertChoiceRouting
 from vmoe_ext.moe.contract import (EXPERT_CHOICE, LinearLogits, Metrics,
@@ -37,7 +37,8 @@ def expert_choice(logits: Array, capacity: int, *,
           f"expert-choice capacity C={capacity} exceeds the group size "
           f"S={group_size}; lower capacity_factor or enlarge groups")
   gates = jax.nn.softmax(logits, axis=-1)
-  weights, token_indices = top_k(gates.transpose(0, 2, 1), capacity)
+  weights, token_indices = partitionable_top_k(gates.transpose(0, 2, 1),
+                                               capacity)
   z = losses.z_loss(logits)
   metrics = {"z_loss": z, "auxiliary_loss": z_loss_weight * z}
   return ExpertChoiceRouting(token_indices.astype(jnp.int32), weights,

@@ -7,7 +7,7 @@ from typing import Any, Mapping
 from vmoe_ext.registry import Registry
 
 ROUTERS = Registry("router", {
-    "noisy_topk": "vmoe_ext.routers.topk:NoisyTopKRouter",
+    "noisy_topk": "vmoe_ext.routers.noisy_top_k:NoisyTopKRouter",
     "expert_choice": "vmoe_ext.routers.expert_choice:ExpertChoiceRouter",
     "soft": "vmoe_ext.routers.soft:SoftRouter",
     "cosine": "vmoe_ext.routers.cosine:CosineRouter",

@@ -1,4 +1,5 @@
-"""SoftMoE routing (Puigcerver et al. 2023; DESIGN §4.2).
+"""SoftMoE routing (Puigcerver et al. 2023; docs/routers.md,
+"`soft` — SoftMoE").
 
 Tokens `x[G, S, D]` and slot parameters `mu[D, E, P]` are L2-normalised over D;
 a learnable scalar `scale` (init 1) multiplies the normalised tokens.
@@ -60,7 +61,7 @@ class SoftRouter(Router):
       the top 8); capped at E*P.
     dispatch_normalized: the slots mix the L2-normalised tokens (the torch
       SoftMoE the ACMoE authors built on) instead of the raw tokens (vmoe:
-      normalisation only inside the router); DESIGN §4.2.
+      normalisation only inside the router); docs/routers.md, "`soft`".
     normalize_tokens: L2-normalise the tokens inside the router (None: as
       `normalize`). ACMoE's SoftMoE variant sets it False: it hands the
       router tokens it has already normalised and scaled.

@@ -1,4 +1,5 @@
-"""The Symphony router (SymphonySMoE; DESIGN §4.5) over any token-choice router.
+"""The Symphony router (SymphonySMoE) over any token-choice router
+(docs/routers.md, "`symphony` — Symphony router").
 
 Algorithm 1 of the paper, for the N tokens of a batch (N = G*S here):
 
@@ -26,7 +27,7 @@ Defined behaviour the paper leaves open (docs/routers.md):
 * `threshold` t > 0 sparsifies the graph used for smoothing (entries < t
   become 0, paper appendix G.3); the stored EMA stays dense;
 * ties in TopK go to the lower expert index (`lax.top_k`, and our
-  `vmoe_ext.moe.top_k`).
+  `vmoe_ext.moe.select.partitionable_top_k`).
 
 `symphony_soft` (`vmoe_ext.routers.symphony_soft`) applies the same graph to
 SoftMoE.
@@ -43,7 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from vmoe_ext.errors import require
-from vmoe_ext.moe.top_k import top_k
+from vmoe_ext.moe.select import partitionable_top_k
 from vmoe_ext.moe.contract import (ROUTER_STATE, TOKEN_CHOICE, Metrics,
                                    RouterOutput, RoutingContext)
 from vmoe_ext.moe.routing import TokenChoiceRouting
@@ -141,7 +142,7 @@ def symphony_top_k(gates: Array, adjacency: Array, *, num_selected: int,
     fallback flag.
   """
   smoothed, fallback = smooth_gates(gates, adjacency, threshold)
-  top, idx = top_k(smoothed, num_selected)
+  top, idx = partitionable_top_k(smoothed, num_selected)
   if renormalize_gates:
     top = top / jnp.maximum(jnp.sum(top, axis=-1, keepdims=True), 1e-30)
   return TokenChoiceRouting.create(idx, top), smoothed, fallback

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from vmoe_ext.errors import require
-from vmoe_ext.moe.top_k import top_k
+from vmoe_ext.moe.select import partitionable_top_k
 from vmoe_ext.moe.contract import SOFT, RouterOutput, RoutingContext
 from vmoe_ext.moe.routing import SoftRouting
 from vmoe_ext.routers.symphony import SymphonyRouter, _metrics, smooth_gates
@@ -100,7 +100,7 @@ class SymphonySoftRouter(SymphonyRouter):
         routing.combine_weights.astype(jnp.float32), graph.value,
         threshold=self.threshold, renormalize_gates=self.renormalize_gates)
     if update_state:
-      _, top = top_k(q, self.num_selected)
+      _, top = partitionable_top_k(q, self.num_selected)
       self.update_graph(graph, ctx, top, jnp.ones(top.shape, bool))
     return out.replace(routing=routing.replace(combine_weights=combine),
                        metrics=_metrics(out.metrics, fallback))

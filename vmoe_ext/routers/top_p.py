@@ -1,4 +1,5 @@
-"""Top-p dynamic routing (Guo et al. 2024; ACMoE appendix C.10; DESIGN §4.6).
+"""Top-p dynamic routing (Guo et al. 2024; ACMoE appendix C.10; docs/routers.md,
+"`top_p` — dynamic routing").
 
 Each token goes to every expert whose gate `g = softmax(l + noise)` exceeds a
 threshold `p` (fixed, or the learnable parameter "threshold" initialised at
@@ -26,11 +27,11 @@ import jax
 import jax.numpy as jnp
 
 from vmoe_ext.errors import require
-from vmoe_ext.moe.top_k import top_k
+from vmoe_ext.moe.select import partitionable_top_k
 from vmoe_ext.moe import losses
 from vmoe_ext.moe.contract import Metrics
 from vmoe_ext.moe.routing import TokenChoiceRouting
-from vmoe_ext.routers.topk import NoisyTopKRouter
+from vmoe_ext.routers.noisy_top_k import NoisyTopKRouter
 
 Array = jax.Array
 
@@ -62,7 +63,7 @@ def top_p(logits: Array, noise: Optional[Array], threshold: Array | float, *,
   """
   noisy_logits = logits if noise is None else logits + noise
   gates = jax.nn.softmax(noisy_logits, axis=-1)
-  top_gates, top_idx = top_k(gates, max_experts)
+  top_gates, top_idx = partitionable_top_k(gates, max_experts)
   p = jnp.asarray(threshold, jnp.float32)
   valid = top_gates > jax.lax.stop_gradient(p)
   valid = valid.at[..., 0].set(True)

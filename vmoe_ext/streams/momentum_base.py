@@ -1,4 +1,5 @@
-"""Shared machinery of the MomentumSMoE family (DESIGN §4.7): layouts, signs.
+"""Shared machinery of the MomentumSMoE family (docs/streams.md, "Layouts"):
+layouts, signs.
 
 Every momentum stream reads the stack of MoE blocks as an optimiser: block t
 applies one step to the iterate `x_t` (`[B, T, D]`, the stream after the

@@ -14,7 +14,7 @@ import optax
 
 from vmoe_ext.data.mixup import check_config, mixup_jax
 from vmoe_ext.moe.contract import ROUTER_STATE
-from vmoe_ext.moe.top_k import top_k
+from vmoe_ext.moe.select import partitionable_top_k
 from vmoe_ext.reporting.writers import MAX_ARRAY_SIZE
 from vmoe_ext.train.state import TrainState
 
@@ -228,7 +228,7 @@ def make_eval_step(model: nn.Module, loss_type: str = "softmax_xent"
     mask = batch["mask"].astype(jnp.float32)
     labels = batch["label"]
     k = min(5, logits.shape[-1])
-    topk = top_k(logits, k)[1]  # Split over the batch (see moe.top_k).
+    topk = partitionable_top_k(logits, k)[1]  # Split over the batch.
     in_top5 = jnp.any(topk == labels[:, None], axis=-1)
     return {
         "count": jnp.sum(mask),

@@ -1,4 +1,5 @@
-"""`top_k` over the last axis, as `jax.lax.top_k`, but split by the compiler.
+"""`partitionable_top_k`: top-k over the last axis, as `jax.lax.top_k`, but
+split by the compiler.
 
 XLA's SPMD partitioner does not split `jax.lax.top_k` along the batch axes on
 CPU: under `jit` over a mesh it all-gathers the whole `[G, S, E]` router
@@ -16,7 +17,7 @@ import jax.numpy as jnp
 Array = jax.Array
 
 
-def top_k(x: Array, k: int) -> tuple[Array, Array]:
+def partitionable_top_k(x: Array, k: int) -> tuple[Array, Array]:
   """`([..., k] largest values in decreasing order, [..., k] int32 indices)`."""
   n = x.shape[-1]
   if not 0 < k <= n:
@@ -26,3 +27,7 @@ def top_k(x: Array, k: int) -> tuple[Array, Array]:
   neg, order = jax.lax.sort((-x, index), dimension=x.ndim - 1,
                             is_stable=True, num_keys=1)
   return -neg[..., :k], order[..., :k]
+
+
+# Deprecated name, kept for one release; use `partitionable_top_k`.
+top_k = partitionable_top_k

@@ -1,4 +1,5 @@
-"""V-MoE noisy top-k token-choice router (Riquelme et al. 2021; DESIGN §4.1).
+"""V-MoE noisy top-k token-choice router (Riquelme et al. 2021;
+docs/routers.md, "`noisy_topk` — V-MoE noisy top-k").
 
 The routing math is the pure function `noisy_top_k`; `NoisyTopKRouter` is the
 thin linen wrapper that owns `W` and draws the noise. Routers that only change
@@ -16,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from vmoe_ext.errors import require
-from vmoe_ext.moe.top_k import top_k
+from vmoe_ext.moe.select import partitionable_top_k
 from vmoe_ext.moe import losses
 from vmoe_ext.moe.routing import TokenChoiceRouting
 from vmoe_ext.moe.contract import (LinearLogits, Metrics, Router, RouterOutput,
@@ -49,7 +50,7 @@ def noisy_top_k(logits: Array,
       load loss, which is only defined with noise (0 is reported without).
     renormalize_gates: combine with `softmax(topk(logits))` (the K selected
       gates renormalised to sum to 1) instead of V-MoE's raw softmax values.
-    importance_gates: "clean" (`softmax(l)`, as DESIGN and google's vmoe
+    importance_gates: "clean" (`softmax(l)`, the default, as google's vmoe
       code: its `NoisyTopExpertsPerItemRouter` takes the importance loss of
       the softmax computed before the noise is added) or "noisy"
       (`softmax(l + eps)`, the V-MoE paper's appendix Eq. 11, "in practice
@@ -62,7 +63,7 @@ def noisy_top_k(logits: Array,
   """
   noisy_logits = logits if noise is None else logits + noise
   gates = jax.nn.softmax(noisy_logits, axis=-1)
-  top_gates, top_idx = top_k(gates, num_selected)
+  top_gates, top_idx = partitionable_top_k(gates, num_selected)
   if renormalize_gates:
     top_gates = top_gates / jnp.sum(top_gates, axis=-1, keepdims=True)
 
