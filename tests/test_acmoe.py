@@ -50,14 +50,14 @@ def _previous(rng, n, k, e=E, invalid=True):
   return idx, gates, valid
 
 
-def _ctx(idx, gates, valid, b, t, e=E, d=D, layer_index=1, moe_blocks=()):
+def _ctx(idx, gates, valid, b, t, e=E, d=D, block=1, moe_blocks=()):
   k = idx.shape[-1]
   assignment = Assignment(jnp.asarray(idx).reshape(b, t, k),
                           jnp.asarray(gates).reshape(b, t, k),
                           jnp.asarray(valid).reshape(b, t, k))
-  record = LayerRecord(assignment, None, block=layer_index - 1,
+  record = LayerRecord(assignment, None, block=block - 1,
                        num_experts=e, width=d)
-  return RoutingContext(layer_index=layer_index, records=(record,),
+  return RoutingContext(block=block, records=(record,),
                         moe_blocks=moe_blocks)
 
 
@@ -279,10 +279,10 @@ def test_placement_defaults_to_where_the_authors_runs_put_it(preset,
                          "base": base}, E)
   ctx = RoutingContext(moe_blocks=tuple(range(6)))
   assert tuple(b for b in range(6)
-               if router.is_ac_layer(ctx.at_layer(b))) == placement
+               if router.is_ac_layer(ctx.at_block(b))) == placement
   router = build_router({"name": "acmoe", "normalization": "language",
                          "layers": "full"}, E)
-  assert router.is_ac_layer(ctx.at_layer(1))
+  assert router.is_ac_layer(ctx.at_block(1))
 
 
 @pytest.mark.parametrize("layers,blocks,message", [
@@ -314,7 +314,7 @@ def test_random_diagonal_ablation_is_fixed_per_layer(rng):
                          "scaled_to": "experts", "random_seed": 7}, E)
   outs = []
   for layer in (1, 1, 2):
-    ctx = _ctx(idx, gates, valid, 2, 6, layer_index=layer)
+    ctx = _ctx(idx, gates, valid, 2, 6, block=layer)
     v = router.init(jax.random.key(layer), x, ctx, capacity=8,
                     deterministic=True)
     outs.append(np.asarray(router.apply(v, x, ctx, capacity=8,

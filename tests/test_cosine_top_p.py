@@ -112,7 +112,7 @@ def _previous_ctx(rng, b, t, k):
   record = LayerRecord(Assignment(jnp.asarray(idx), jnp.asarray(gates),
                                   jnp.ones((b, t, k), bool)), None, block=0,
                        num_experts=E, width=D)
-  return RoutingContext(layer_index=1, records=(record,))
+  return RoutingContext(block=1, records=(record,))
 
 
 NEW_ROUTERS = {

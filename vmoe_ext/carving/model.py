@@ -26,6 +26,7 @@ from vmoe_ext.carving.layer import (CarvedLayer, carve_mlp, moe_params,
                                     random_split)
 from vmoe_ext.carving.spec import CarveSpec, carved_model_config
 from vmoe_ext.models import build_model
+from vmoe_ext.naming import param_name
 
 Params = dict[str, Any]
 
@@ -63,7 +64,7 @@ def ffn_inputs(model_config: Mapping[str, Any], params: Params,
   output) on `images` `[N, H, W, C]`, in batches of `batch_size`
   (`on_batch()` after each)."""
   model = build_model(model_config)
-  path = (f"encoderblock_{block}", "LayerNorm_1")
+  path = (param_name(block), "LayerNorm_1")
 
   @jax.jit
   def capture(p, x):
@@ -114,29 +115,29 @@ def carve_vit(model: Mapping[str, Any], params: Params, images: np.ndarray,
   blocks = spec.blocks(model["num_layers"])
   carved: dict[int, CarvedLayer] = {}
   seconds: dict[int, float] = {}
-  for i in blocks:
+  for block in blocks:
     t0 = time.perf_counter()
-    name = f"encoderblock_{i}"
+    name = param_name(block)
     mlp = params[name]["Mlp"]
     hidden = np.shape(mlp["Dense_0"]["kernel"])[-1]
     if spec.method == "random":
       layer = random_split(hidden, num_experts=spec.num_experts,
-                           num_shared=spec.num_shared, seed=spec.seed + i)
+                           num_shared=spec.num_shared, seed=spec.seed + block)
     else:
       x = ffn_inputs(_with_blocks(model, spec, tuple(carved)), params,
-                     images, i, spec.batch_size, on_batch)
+                     images, block, spec.batch_size, on_batch)
       layer = carve_mlp(mlp, x, num_experts=spec.num_experts,
                         num_shared=spec.num_shared, activation=activation,
                         activation_markers_k=spec.activation_markers,
                         distance=spec.distance, iterations=spec.iterations,
                         normalize=spec.normalize)
-    block = {k: v for k, v in params[name].items() if k != "Mlp"}
-    block["Moe"] = moe_params(mlp, layer, activation)
-    params = {**params, name: block}
-    carved[i] = layer
-    seconds[i] = time.perf_counter() - t0
+    block_params = {k: v for k, v in params[name].items() if k != "Mlp"}
+    block_params["Moe"] = moe_params(mlp, layer, activation)
+    params = {**params, name: block_params}
+    carved[block] = layer
+    seconds[block] = time.perf_counter() - t0
     if progress is not None:
-      progress(i, layer, seconds[i])
+      progress(block, layer, seconds[block])
   config = carved_model_config(model, spec)
   fresh = _fresh_variables(config, images[:1], spec.seed)
   params = _fill_fresh(params, fresh.pop("params"))

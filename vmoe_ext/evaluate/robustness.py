@@ -29,6 +29,7 @@ from vmoe_ext.evaluate.corruption_metrics import corruption_errors
 from vmoe_ext.evaluate.datasets import check_datasets, evaluate_datasets
 from vmoe_ext.evaluate.evaluator import Evaluator, clean_accuracy
 from vmoe_ext.evaluate.metrics import routing_change_rate
+from vmoe_ext.naming import metric_key_of
 from vmoe_ext.reporting.report_parts import bar_chart, markdown_table
 from vmoe_ext.reporting.writers import (MetricWriter, progress_bar,
                                        progress_line)
@@ -108,7 +109,7 @@ def attack_metrics(evaluator: Evaluator, dataset: ArrayDataset,
       _accumulate(total, "prediction_change_rate",
                   np.mean((pred != pred_adv)[mask]), n)
       for block, m in masks.items():
-        layer = "layer_" + block.split("_")[-1]
+        layer = metric_key_of(block)
         _accumulate(total, f"{layer}/routing_change_rate",
                     routing_change_rate(m[mask], masks_adv[block][mask]), n)
       bar.update(1)

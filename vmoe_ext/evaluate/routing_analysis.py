@@ -40,17 +40,13 @@ import numpy as np
 from vmoe_ext.evaluate.metrics import (layer_mean_std,
                                        load_balance_from_counts,
                                        router_instability_from_counts)
+from vmoe_ext.naming import block_index, metric_key_of
 from vmoe_ext.sharding.partitioning import Partitioning
 
 Array = jax.Array
 MAP_IMAGES = 8        # images in expert_maps.png
 TSNE_TOKENS = 1000    # tokens per MoE layer in tsne_experts.png
 TSNE_ITERATIONS = 500
-
-
-def layer_index(name: str) -> int:
-  """`"layer_3" -> 3` (also `"encoderblock_3" -> 3`)."""
-  return int(name.rsplit("_", 1)[-1])
 
 
 def top1_experts(expert_mask: Array, selected: Array) -> Array:
@@ -75,7 +71,7 @@ def make_routing_forward(model: nn.Module,
                          partitioning: Optional[Partitioning] = None
                          ) -> Callable:
   """Jitted `forward(variables, images [B,H,W,C], example_mask [B],
-  sample_index [k]) -> {"layer_i": {...}}`, per MoE layer:
+  sample_index [k]) -> {"layer_i": {...}}`, per MoE block i:
   `assignments` `[E]` int32 (token->expert assignments of real examples),
   `top1` `[B, T]` int32, `samples` `[k, D]` float32 (the MoE inputs of the
   flat token positions `sample_index` of `[B * T]`).
@@ -95,7 +91,7 @@ def make_routing_forward(model: nn.Module,
       mask = moe["expert_mask"][0]
       x = moe["moe_input"][0]
       b, t, d = x.shape
-      out[f"layer_{layer_index(block)}"] = {
+      out[metric_key_of(block)] = {
           "assignments": jnp.sum(mask & example_mask[:, None, None],
                                  axis=(0, 1), dtype=jnp.int32),
           "top1": top1_experts(mask, moe["selected_experts"][0]),
@@ -135,7 +131,7 @@ class RoutingCounts:
 
   @property
   def layers(self) -> list[str]:
-    return sorted(self.assignments, key=layer_index)
+    return sorted(self.assignments, key=block_index)
 
   def add(self, assignments: Mapping[str, Any], top1: Mapping[str, Any],
           example_mask: Any) -> None:
@@ -150,7 +146,7 @@ class RoutingCounts:
     for layer, counts in assignments.items():
       counts = np.asarray(counts, np.int64)
       self.assignments[layer] = self.assignments.get(layer, 0) + counts
-    layers = sorted(assignments, key=layer_index)
+    layers = sorted(assignments, key=block_index)
     valid = np.asarray(example_mask, bool)[:, None]
     for prev, cur in zip(layers, layers[1:]):
       a, b = np.asarray(top1[prev]), np.asarray(top1[cur])

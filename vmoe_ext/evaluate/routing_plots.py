@@ -16,6 +16,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from vmoe_ext.naming import METRIC_PATTERN, block_index
+
 NO_EXPERT = (1.0, 1.0, 1.0, 0.0)  # Tokens without an expert: blank.
 
 
@@ -56,7 +58,7 @@ def plot_expert_maps(images: np.ndarray, maps: Mapping[str, np.ndarray],
   layer, each image in grey under its patch grid `maps[layer]`
   `[n, gh, gw]` coloured by top-1 expert (blank: no expert). False (and no
   file) when there is nothing to draw."""
-  layers = sorted(maps, key=lambda l: int(l.rsplit("_", 1)[-1]))
+  layers = sorted(maps, key=block_index)
   n = len(images)
   if not layers or n == 0:
     return False
@@ -102,7 +104,7 @@ def plot_tsne(embeddings: Mapping[str, np.ndarray],
               num_experts: Mapping[str, int], path: str) -> bool:
   """One scatter panel per MoE layer: 2-D t-SNE points `[m, 2]` coloured by
   top-1 expert `[m]` (grey: none). False (no file) without any panel."""
-  layers = sorted(embeddings, key=lambda l: int(l.rsplit("_", 1)[-1]))
+  layers = sorted(embeddings, key=block_index)
   if not layers:
     return False
   plt = _pyplot()
@@ -123,7 +125,8 @@ def plot_tsne(embeddings: Mapping[str, np.ndarray],
   return True
 
 
-STATE_KEY = re.compile(r"^layer_(\d+)/router_state/(?:(.+)/)?(\w+)$")
+# `layer_i/router_state/[PATH/]LEAF`: group 1 the block's metric key.
+STATE_KEY = re.compile(rf"^({METRIC_PATTERN})/router_state/(?:(.+)/)?(\w+)$")
 
 
 def router_state_series(records: Sequence[Mapping[str, Any]],
@@ -153,7 +156,8 @@ def plot_router_state_heatmaps(records: Sequence[Mapping[str, Any]],
   series = router_state_series(records, leaf)
   if not series:
     return False
-  keys = sorted(series, key=lambda k: (int(STATE_KEY.match(k).group(1)), k))
+  keys = sorted(series,
+                key=lambda k: (block_index(STATE_KEY.match(k).group(1)), k))
   steps = sorted({s for v in series.values() for s in v})
   picks = np.unique(np.linspace(0, len(steps) - 1, min(max_steps, len(steps)))
                     .round().astype(int))
@@ -168,8 +172,7 @@ def plot_router_state_heatmaps(records: Sequence[Mapping[str, Any]],
   image = None
   for row, key in enumerate(keys):
     match = STATE_KEY.match(key)
-    name = f"layer_{match.group(1)}" + (f" {match.group(2)}"
-                                        if match.group(2) else "")
+    name = match.group(1) + (f" {match.group(2)}" if match.group(2) else "")
     size = len(next(iter(series[key].values())))
     ticks = np.arange(size) if size <= 16 else []
     for col, step in enumerate(steps):

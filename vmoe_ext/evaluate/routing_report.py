@@ -14,11 +14,11 @@ import numpy as np
 
 from vmoe_ext.data import ArrayDataset, default_normalization, eval_batches
 from vmoe_ext.evaluate.routing_analysis import (MAP_IMAGES, RoutingAnalysis,
-                                                analyze_routing, layer_index,
-                                                tsne_embedding)
+                                                analyze_routing, tsne_embedding)
 from vmoe_ext.evaluate.routing_plots import (plot_expert_maps,
                                              plot_router_state_heatmaps,
                                              plot_tsne)
+from vmoe_ext.naming import block_index
 from vmoe_ext.reporting.report_parts import markdown_table
 from vmoe_ext.reporting.writers import (MetricWriter, progress_bar,
                                        progress_line)
@@ -113,7 +113,7 @@ def routing_section(analysis: RoutingAnalysis,
                     figures: Sequence[tuple[str, str]]) -> str:
   """The report's "## Routing analysis" markdown."""
   m = analysis.metrics
-  layers = sorted(analysis.num_experts, key=layer_index)
+  layers = sorted(analysis.num_experts, key=block_index)
   rows, previous = [], None
   for layer in layers:
     percent = ", ".join(f"{p:.1f}" for p in np.asarray(

@@ -26,6 +26,7 @@ from vmoe_ext.moe.contract import RoutingContext
 from vmoe_ext.moe.expert_parallel import ExpertParallel
 from vmoe_ext.moe.experts import DenseMlp, check_activation
 from vmoe_ext.moe.layer import MoeLayer
+from vmoe_ext.naming import metric_key, param_name
 from vmoe_ext.routers.registry import ROUTERS
 from vmoe_ext.streams import STREAMS
 
@@ -135,9 +136,10 @@ class EncoderBlock(nn.Module):
       if not is_moe:
         f, aux = layer(h, deterministic=deterministic), None
       else:
-        f, metrics, record = layer(h, ctx, deterministic=deterministic,
-                                   update_state=update_state, record=primary)
-        aux = (metrics, record)
+        f, metrics, layer_record = layer(
+            h, ctx, deterministic=deterministic, update_state=update_state,
+            primary=primary)
+        aux = (metrics, layer_record)
       if primary:
         primary_aux.append(aux)
       return f, aux
@@ -152,8 +154,8 @@ class EncoderBlock(nn.Module):
     ctx = ctx.replace(stream_state=state)
     if not is_moe:
       return x, ctx, None
-    metrics, record = primary_aux[0]
-    return x, ctx.after_moe(record), metrics
+    metrics, layer_record = primary_aux[0]
+    return x, ctx.after_moe(layer_record), metrics
 
 
 def build_moe_layer(moe: Mapping[str, Any], mlp_dim: int, dropout_rate: float,
@@ -358,7 +360,7 @@ class VisionTransformerMoe(nn.Module):
         stream_state=STREAMS.build(self.stream, parent=None).init_state(x),
         axis_name=self.state_axis_name, moe_blocks=moe_layers)
     metrics: dict[str, Any] = {}
-    for i in range(self.num_layers):
+    for block in range(self.num_layers):
       x, ctx, layer_metrics = EncoderBlock(
           num_heads=self.num_heads, mlp_dim=self.mlp_dim,
           dropout_rate=self.dropout_rate,
@@ -367,13 +369,13 @@ class VisionTransformerMoe(nn.Module):
           attention_qk_norm=self.attention_qk_norm,
           attention_kernel_init=self.attention_kernel_init,
           attention_broadcast_dropout=self.attention_broadcast_dropout,
-          moe=self.moe if i in moe_layers else None, stream=self.stream,
+          moe=self.moe if block in moe_layers else None, stream=self.stream,
           dtype=self.dtype, expert_parallel=self.expert_parallel,
-          name=f"encoderblock_{i}")(
-              x, ctx.at_layer(i), deterministic=deterministic,
+          name=param_name(block))(
+              x, ctx.at_block(block), deterministic=deterministic,
               update_state=update_state)
-      if layer_metrics is not None:
-        metrics[f"layer_{i}"] = layer_metrics
+      if layer_metrics is not None:  # Keyed by block: `layer_{block}`.
+        metrics[metric_key(block)] = layer_metrics
     x = nn.LayerNorm(name="encoder_norm", dtype=self.dtype)(x)
     logits = classifier_head(
         x, num_classes=self.num_classes, classifier=self.classifier,

@@ -44,6 +44,8 @@ train state. A router never touches expert weights.
 
 from __future__ import annotations
 
+import functools
+import warnings
 from typing import Any, ClassVar, Optional
 
 import flax.linen as nn
@@ -112,7 +114,9 @@ class RoutingContext:
   """State carried from block to block through the encoder.
 
   Attributes:
-    layer_index: index of the encoder block being applied (static).
+    block: index of the encoder block being applied (static; 0-based over
+      all blocks, dense ones included; `layer_index` is its deprecated
+      alias).
     records: one `LayerRecord` per MoE layer applied so far, oldest first
       (`moe_index = len(records)`).
     stream_state: the residual stream's state, a pytree of fixed structure
@@ -128,7 +132,7 @@ class RoutingContext:
       sows, and a router that sows intermediates of its own does so only
       when `ctx.primary`.
   """
-  layer_index: int = flax.struct.field(pytree_node=False, default=0)
+  block: int = flax.struct.field(pytree_node=False, default=0)
   records: tuple[LayerRecord, ...] = ()
   stream_state: Any = ()
   axis_name: Optional[str] = flax.struct.field(pytree_node=False,
@@ -152,8 +156,18 @@ class RoutingContext:
     """What the previous MoE layer's router forwarded, or None."""
     return self.records[-1].forward if self.records else None
 
+  def at_block(self, block: int) -> "RoutingContext":
+    """Context for applying encoder block `block`."""
+    return self.replace(block=block)
+
+  @property
+  def layer_index(self) -> int:
+    """Deprecated alias of `block`, kept for one release."""
+    return self.block
+
   def at_layer(self, layer_index: int) -> "RoutingContext":
-    return self.replace(layer_index=layer_index)
+    """Deprecated alias of `at_block`, kept for one release."""
+    return self.at_block(layer_index)
 
   def after_moe(self, record: LayerRecord) -> "RoutingContext":
     """Context for the blocks after an MoE layer that left `record`."""
@@ -164,6 +178,25 @@ class RoutingContext:
     if self.axis_name is None:
       return value
     return jax.lax.pmean(value, self.axis_name)
+
+
+def _accept_layer_index(init):
+  """`RoutingContext(layer_index=i)`: the deprecated keyword of `block`,
+  kept for one release."""
+
+  @functools.wraps(init)
+  def __init__(self, *args, layer_index: Optional[int] = None, **kwargs):
+    if layer_index is not None:
+      warnings.warn("RoutingContext(layer_index=...) is deprecated, kept for "
+                    "one release; use block=...", DeprecationWarning,
+                    stacklevel=2)
+      kwargs["block"] = layer_index
+    init(self, *args, **kwargs)
+
+  return __init__
+
+
+RoutingContext.__init__ = _accept_layer_index(RoutingContext.__init__)
 
 
 @flax.struct.dataclass

@@ -7,6 +7,7 @@ plan, its expert mask and its token-major assignment through the same calls
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Optional
 
 import flax.linen as nn
@@ -133,7 +134,8 @@ class MoeLayer(nn.Module):
   @nn.compact
   def __call__(self, x: Array, ctx: RoutingContext, *,
                deterministic: bool = True, update_state: bool = False,
-               record: bool = True) -> tuple[Array, Metrics, LayerRecord]:
+               primary: bool = True, record: Optional[bool] = None
+               ) -> tuple[Array, Metrics, LayerRecord]:
     """Applies the layer.
 
     Args:
@@ -141,19 +143,26 @@ class MoeLayer(nn.Module):
       ctx: the routing context of this block.
       deterministic: no router noise, no dropout.
       update_state: let the router update its persistent state.
-      record: this is the block's primary evaluation: sow the intermediates
-        and allow state updates. A residual stream that evaluates the layer
-        more than once marks its other calls `record=False`; they neither sow
-        nor update router state (see `vmoe_ext.streams.base`).
+      primary: this is the block's primary evaluation (the router sees
+        `ctx.primary`): sow the intermediates and allow state updates. A
+        residual stream that evaluates the layer more than once marks its
+        other calls `primary=False`; they neither sow nor update router state
+        (see `vmoe_ext.streams.base`).
+      record: deprecated alias of `primary`, kept for one release.
 
     Returns:
       y: `[B, T, D]` the MoE output (0 for fully dropped tokens).
       metrics: router metrics plus `drop_rate`, `expert_load` `[E]` (share of
         the selections each expert received, before capacity) and
         `expert_usage` `[E]` (fraction of each expert's slots filled).
-      record: the `LayerRecord` (token-major assignment `[B, T, K]` and the
-        router's forwarded data) for the later MoE layers' context.
+      layer_record: the `LayerRecord` (token-major assignment `[B, T, K]`
+        and the router's forwarded data) for the later MoE layers' context.
     """
+    if record is not None:
+      warnings.warn("MoeLayer(..., record=...) is deprecated, kept for one "
+                    "release; use primary=...", DeprecationWarning,
+                    stacklevel=2)
+      primary = record
     b, t, d = x.shape
     e = self.num_experts
     if self.router.needs_image_groups:
@@ -173,9 +182,9 @@ class MoeLayer(nn.Module):
     capacity = compute_capacity(s, self.router.slots_per_token, factor, e,
                                 self.capacity_multiple,
                                 rounding=self.capacity_rounding)
-    out = self.router(xg, ctx.replace(primary=record), capacity=capacity,
+    out = self.router(xg, ctx.replace(primary=primary), capacity=capacity,
                       deterministic=deterministic,
-                      update_state=update_state and record)
+                      update_state=update_state and primary)
     routing = out.routing
     dtype = DISPATCH_DTYPES[self.dispatch_dtype]
     tokens = xg if out.expert_inputs is None else out.expert_inputs
@@ -224,10 +233,10 @@ class MoeLayer(nn.Module):
     assignment = Assignment(expert_indices=indices.reshape(b, t, -1),
                             gates=gates.reshape(b, t, -1),
                             valid=valid.reshape(b, t, -1))
-    if record:
+    if primary:
       self.sow("intermediates", "expert_mask", mask.reshape(b, t, e))
       self.sow("intermediates", "selected_experts", assignment.expert_indices)
       self.sow("intermediates", "moe_input", x)
     return (y, metrics,
-            LayerRecord(assignment, out.forward, ctx.layer_index,
+            LayerRecord(assignment, out.forward, ctx.block,
                         num_experts=e, width=d))

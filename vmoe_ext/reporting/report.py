@@ -9,6 +9,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from vmoe_ext.naming import block_index
+
 
 def listify(metrics: Mapping[str, Any]) -> dict[str, Any]:
   """Arrays to lists (vectors) or Python numbers (scalars), for reports."""
@@ -75,7 +77,7 @@ def plot_expert_load(metrics: Mapping[str, Any], path: str) -> bool:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  layers = sorted(loads, key=lambda s: int(s.split("_")[1]))
+  layers = sorted(loads, key=block_index)  # `layer_i` keys, by block i.
   fig, axes = plt.subplots(1, len(layers), figsize=(4 * len(layers), 3),
                            squeeze=False)
   for ax, layer in zip(axes[0], layers):

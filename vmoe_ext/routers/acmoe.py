@@ -189,20 +189,20 @@ class ACMoERouter(WrapperRouter):
   def is_ac_layer(self, ctx: RoutingContext) -> bool:
     if not ctx.moe_blocks:  # Used outside a model: AC wherever possible.
       return ctx.previous is not None
-    return ctx.layer_index in resolve_ac_layers(self.placement,
+    return ctx.block in resolve_ac_layers(self.placement,
                                                 ctx.moe_blocks)
 
   def scale_tokens(self, tokens: Array, ctx: RoutingContext) -> Array:
     """`[N, D]` statistic tokens -> `[N, D]` scaled tokens (this layer's)."""
     prev = ctx.records[-1] if ctx.records else None
     require(prev is not None, "router.layers",
-            f"block {ctx.layer_index} has no MoE layer before it: an AC "
+            f"block {ctx.block} has no MoE layer before it: an AC "
             "layer needs the previous layer's assignment")
     n, d = tokens.shape
     a = prev.assignment
     require(a.expert_indices.shape[0] * a.expert_indices.shape[1] == n
             and prev.width in (-1, d), "router.layers",
-            f"the AC layer at block {ctx.layer_index} ({n} tokens of width "
+            f"the AC layer at block {ctx.block} ({n} tokens of width "
             f"{d}) follows the MoE layer at block {prev.block} of another "
             f"shape ({a.expert_indices.shape[:2]} tokens of width "
             f"{prev.width}); the clusters must be of the same tokens")
@@ -211,7 +211,7 @@ class ACMoERouter(WrapperRouter):
             f"Mix-{opts.mix_k} needs the previous layer's top-{opts.mix_k}; "
             f"the MoE layer at block {prev.block} provides {a.num_selected}")
     if self.transform == "random":
-      return tokens * ac.random_diagonal(self.random_seed, ctx.layer_index,
+      return tokens * ac.random_diagonal(self.random_seed, ctx.block,
                                          d)[None, :]
     k = a.num_selected
     e = prev.num_experts if prev.num_experts > 0 else self.num_experts

@@ -200,7 +200,7 @@ class SymphonyRouter(WrapperRouter):
 
   def graph(self, ctx: RoutingContext) -> Any:
     """The "adjacency" variable `[E, E]` in the router-state collection."""
-    key = jax.random.fold_in(jax.random.key(self.init_seed), ctx.layer_index)
+    key = jax.random.fold_in(jax.random.key(self.init_seed), ctx.block)
     return self.variable(ROUTER_STATE, "adjacency", init_adjacency,
                          self.graph_init, self.num_experts, key)
 

@@ -20,10 +20,11 @@ as robust momentum in the authors' V-MoE code). It is called as
 
 How often `ffn` may be called: any number of times per block (NAG, SAM and
 robust momentum evaluate F at shifted points), with exactly ONE call marked
-`primary=True` (the default). The primary call is the block's evaluation of
-record: only it sows intermediates (`expert_mask`, `selected_experts`), only
-it may update persistent router state, and its routing record and metrics are
-the block's (what later MoE layers read, what the losses sum). Calls with
+`primary=True` (the default; routers see it as `ctx.primary`, the MoE layer
+takes it as `MoeLayer(..., primary=...)`). The primary call is the block's
+evaluation: only it sows intermediates (`expert_mask`, `selected_experts`),
+only it may update persistent router state, and its `LayerRecord` and metrics
+are the block's (what later MoE layers read, what the losses sum). Calls with
 `primary=False` share the parameters and add no auxiliary loss, sow nothing
 and update no state. A block raises if a stream makes no primary call or more
 than one. `aux` is for the stream's own use (None for dense blocks).

@@ -4,7 +4,7 @@
 
 with `g` the layout's gradient (`-u` paper, `+u` vmoe_reference; see
 momentum_base) and `p_0 = 0`. The MoE is evaluated once per block, at the
-look-ahead point, and that call is the block's evaluation of record.
+look-ahead point, and that call is the block's primary one.
 `lookahead="nesterov"` (s = +1, the default) looks where the momentum is
 carrying the iterate, as Nesterov's method does; `lookahead="as_printed"`
 (s = -1) evaluates at `x_t - mu p_{t-1}` exactly as appendix E.4 prints it.

@@ -11,8 +11,8 @@ condition ratio `k = L/m` and `p in [1 - 1/sqrt(k), 1 - 1/k]`:
     alpha = p^3 / ((k-1) (1-p)^2 (1+p)).
 
 The MoE of a block is evaluated once, at the extrapolated point, and that
-call is the block's evaluation of record: its routing is what the block
-records, sows and passes on (ACMoE reads it). Layouts (see momentum_base):
+call is the block's primary one (`primary=True`): its routing is what the
+block records, sows and passes on (ACMoE reads it). Layouts (see momentum_base):
 paper extrapolates before the pre-LayerNorm, `F(LN(x + alpha gamma p))`;
 vmoe_reference after it in every block, `F(LN_1(x) + alpha gamma m)`, with
 MoE blocks `m = -u + mu m; LN_2(x + gamma m)` and dense blocks

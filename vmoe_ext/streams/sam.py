@@ -7,7 +7,7 @@ with `g` the layout's gradient (`-u` paper, `+u` vmoe_reference; see
 momentum_base), the norm taken per token over D (each token is its own
 iterate; a zero gradient gives no perturbation). The MoE runs twice: at x_t
 (`primary=False`: no sows, no state updates, no loss) and at the perturbed
-point, whose call is the block's evaluation of record. Stateless; gradients
+point, whose call is the block's primary one. Stateless; gradients
 flow through both calls (no stop-gradient on eps_t). `rho = 0, gamma = 1` in
 the paper layout is the plain residual.
 """

@@ -66,6 +66,7 @@ import numpy as np
 
 from vmoe_ext.errors import ConfigError, require
 from vmoe_ext.interop.layouts import check_layout, layout_rules
+from vmoe_ext.naming import PARAM_PATTERN
 from vmoe_ext.train import checkpoint_params as ckpt_params
 from vmoe_ext.train.init_source import (InitSource, config_value as _get,
                                         find_checkpoint, open_source)
@@ -96,8 +97,8 @@ def dense_to_moe_rules(fresh: Sequence[str] = ()) -> list[Rule]:
     fresh: extra target regexes kept freshly initialised, checked first.
   """
   return [(pattern, None) for pattern in fresh] + [
-      (r"(encoderblock_\d+)/Moe/Mlp/(.+)", r"\1/Mlp/\2"),
-      (r"encoderblock_\d+/Moe/.+", None),
+      (rf"({PARAM_PATTERN})/Moe/Mlp/(.+)", r"\1/Mlp/\2"),
+      (rf"{PARAM_PATTERN}/Moe/.+", None),
       (r"(.+)", r"\1"),
   ]
 

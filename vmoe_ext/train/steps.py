@@ -14,6 +14,8 @@ import optax
 
 from vmoe_ext.data.mixup import check_config, mixup_jax
 from vmoe_ext.moe.contract import ROUTER_STATE
+from vmoe_ext.naming import (METRIC_PREFIX, PARAM_PATTERN,
+                                    metric_key_of)
 from vmoe_ext.moe.select import partitionable_top_k
 from vmoe_ext.reporting.writers import MAX_ARRAY_SIZE
 from vmoe_ext.train.state import TrainState
@@ -86,24 +88,25 @@ def mixup_options(mixup: Mapping[str, Any] | None) -> dict | None:
 
 def routing_summary(metrics: dict[str, Any],
                     exclude: tuple[str, ...] = ()) -> dict[str, Any]:
-  """`{"layer_i/name": value}` for the per-layer routing metrics we log."""
+  """`{"layer_i/name": value}` for the per-block routing metrics we log
+  (`layer_i`: block i, `vmoe_ext.naming`)."""
   out = {}
   for layer, values in metrics.items():
-    if layer.startswith("layer_"):
+    if layer.startswith(METRIC_PREFIX):
       for name in ROUTING_METRICS:
         if name in values and name not in exclude:
           out[f"{layer}/{name}"] = values[name]
   return out
 
 
-_ROUTER_PATH = re.compile(r"^encoderblock_(\d+)/Moe/router/(.+)$")
+_ROUTER_PATH = re.compile(rf"^({PARAM_PATTERN})/Moe/router/(.+)$")
 
 
 def router_state_metrics(collections: Mapping[str, Any]) -> dict[str, Any]:
   """Snapshot of the persistent router state for a train log line.
 
   Every numeric leaf of `collections["router_state"]` at
-  `encoderblock_{i}/Moe/router/<path>` becomes the metric
+  `encoderblock_{i}/Moe/router/<path>` (block i) becomes the metric
   `layer_{i}/router_state/<path>` (any other leaf `router_state/<its
   path>`) as a host array, e.g. Symphony's `[E, E]` expert graph as
   `layer_1/router_state/adjacency`. Leaves of more than `MAX_ARRAY_SIZE`
@@ -118,7 +121,7 @@ def router_state_metrics(collections: Mapping[str, Any]) -> dict[str, Any]:
     if value.dtype.kind not in "biuf" or value.size > MAX_ARRAY_SIZE:
       continue
     match = _ROUTER_PATH.match(path)
-    name = (f"layer_{match.group(1)}/{ROUTER_STATE}/{match.group(2)}"
+    name = (f"{metric_key_of(match.group(1))}/{ROUTER_STATE}/{match.group(2)}"
             if match else f"{ROUTER_STATE}/{path}")
     out[name] = value
   return out
