@@ -10,7 +10,9 @@ ends with the routing analysis of the test split (docs/robustness.md). A
 config whose `robustness.checkpoint_dir` is set (`configs/robustness.py`) only
 evaluates that training workdir's newest checkpoint; one whose `carve` section
 is set (`configs/carve.py`) carves a dense ViT checkpoint into a V-MoE
-checkpoint (`vmoe_ext.carving.mode`). Outputs in WORKDIR:
+checkpoint (`vmoe_ext.app.carve`). The config is resolved once
+(`vmoe_ext.app.schema.resolve_config`: checked, defaults filled) and each
+mode assembles its run from it (`vmoe_ext.app.context.RunContext`). Outputs in WORKDIR:
 `metrics.jsonl`, `report.md`, PNG plots, `checkpoints/`, `tensorboard/`. A
 workdir holding a checkpoint of the same config resumes it.
 
@@ -38,11 +40,23 @@ import traceback
 import warnings
 from typing import NoReturn, Sequence
 
+import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from vmoe_ext.app.carve import carve_checkpoint
+from vmoe_ext.app.context import resolved
+from vmoe_ext.app.evaluate import evaluate_checkpoint, output_dir
+from vmoe_ext.app.schema import CONFIG
+from vmoe_ext.app.train import train_and_evaluate
+from vmoe_ext.config.overrides import prepare_overrides, take_none_overrides
 from vmoe_ext.errors import ConfigError, InputError
+from vmoe_ext.evaluate.final import after_training_hook
+from vmoe_ext.sharding.multihost import initialize, is_main_process
+from vmoe_ext.train.checkpoints import CheckpointError
 from vmoe_ext.train.config_files import CONFIG_DIR, load_config_flag
+from vmoe_ext.train.loop import NonFiniteError, Preempted
+from vmoe_ext.train.workdir import check_workdir
 
 FLAGS = flags.FLAGS
 DEFAULT_CONFIG = os.path.join(CONFIG_DIR, "default.py")
@@ -90,11 +104,10 @@ def parse_flags(argv: list[str]) -> list[str]:
   unknown field is one clear line and every documented field can be set,
   also one the file leaves out or sets to None.
   """
-  from vmoe_ext.config.overrides import prepare_overrides, take_none_overrides
   try:
     value, rest = _split_config_flag(argv)
-    config = prepare_overrides(load_config_flag(value), rest)
-    rest = take_none_overrides(config, rest)
+    config = prepare_overrides(load_config_flag(value), rest, CONFIG)
+    rest = take_none_overrides(config, rest, CONFIG)
     config_flags.DEFINE_config_dict(
         "config", config,
         "Config file (configs/FILE.py[:ARG]); fields can be overridden with "
@@ -114,7 +127,6 @@ def parse_flags(argv: list[str]) -> list[str]:
 def _unexpected(error: BaseException, workdir: str) -> NoReturn:
   """A bug: one paragraph on stderr, the traceback in a file."""
   text = "".join(traceback.format_exception(error))
-  import jax  # Imported by now: the error came from the run.
   name = ("error.txt" if jax.process_count() == 1
           else f"error.process{jax.process_index()}.txt")
   where = os.path.join(workdir, name)
@@ -132,11 +144,10 @@ def _unexpected(error: BaseException, workdir: str) -> NoReturn:
 def _check_multiprocess_mode(config) -> None:
   """Multi-process jobs train (and evaluate after training); the carve and
   evaluate-only modes run in one process."""
-  import jax
   if jax.process_count() == 1:
     return
-  robustness = config.get("robustness") or {}
-  for field, on in (("carve", config.get("carve") is not None),
+  robustness = config.robustness or {}
+  for field, on in (("carve", config.carve is not None),
                     ("robustness.checkpoint_dir",
                      robustness.get("checkpoint_dir") is not None),
                     ("robustness.from_init", bool(robustness.get("from_init")))):
@@ -147,29 +158,18 @@ def _check_multiprocess_mode(config) -> None:
 
 
 def run(config, workdir: str) -> str:
-  """Validates everything, then trains or evaluates into `workdir`; returns
+  """Resolves the config (everything checked before any data or
+  compilation), then trains, evaluates or carves into `workdir`; returns
   the report's path."""
-  # Heavy imports here, after flag parsing.
-  from vmoe_ext.evaluate.final import after_training_hook
-  from vmoe_ext.evaluate.from_checkpoint import (evaluate_checkpoint,
-                                                 output_dir)
-  from vmoe_ext.evaluate.robustness import robustness_config
-  from vmoe_ext.train.loop import train_and_evaluate
-  from vmoe_ext.train.validate import validate_config
-  from vmoe_ext.train.workdir import check_workdir
-
-  validate_config(config)  # Everything, before any data or compilation.
+  config = resolved(config)
   _check_multiprocess_mode(config)
-  if config.get("carve") is not None:  # Carve mode (vmoe_ext.carving.mode).
-    from vmoe_ext.carving.mode import carve_checkpoint
+  if config.carve is not None:
     check_workdir(workdir)
     carve_checkpoint(config, workdir)
     return os.path.join(workdir, "report.md")
-  robustness = config.get("robustness")
-  if robustness is not None:
-    robustness_config(robustness)  # Also its evaluation datasets.
-  if robustness is not None and (robustness.get("checkpoint_dir") is not None
-                                 or robustness.get("from_init")):
+  robustness = config.robustness
+  if robustness is not None and (robustness.checkpoint_dir is not None
+                                 or robustness.from_init):
     out = output_dir(workdir) if workdir else workdir
     check_workdir(out)
     evaluate_checkpoint(config, workdir)  # Evaluation only.
@@ -185,15 +185,11 @@ def run(config, workdir: str) -> str:
 def main(argv) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  from vmoe_ext.train.checkpoints import CheckpointError
-  from vmoe_ext.train.loop import NonFiniteError, Preempted
-
   logging.set_verbosity(logging.WARNING)
   # One line per warning (a recovered corrupt checkpoint), not two.
   warnings.formatwarning = lambda message, *_, **__: f"warning: {message}\n"
   config, workdir = FLAGS.config, FLAGS.workdir
   try:
-    from vmoe_ext.sharding.multihost import initialize
     initialize(FLAGS.coordinator_address, FLAGS.num_processes,
                FLAGS.process_id, auto=FLAGS.distributed)
     report = run(config, workdir)
@@ -219,7 +215,6 @@ def main(argv) -> None:
     if FLAGS.debug:
       raise
     _unexpected(e, workdir)
-  from vmoe_ext.sharding.multihost import is_main_process
   if is_main_process() and os.path.exists(report):
     with open(report, encoding="utf-8") as f:
       print(f.read())

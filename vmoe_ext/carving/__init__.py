@@ -9,7 +9,8 @@
 * `spec` — the `carve` config section and the carved model config;
 * `model` — a whole ViT carved block by block, each calibrated on the
   already carved blocks' outputs;
-* `mode` — the binary's carve mode (checkpoint in, checkpoint out).
+* `dense_source` — the dense checkpoint, the calibration images and the
+  carved model's config; the binary's carve mode is `vmoe_ext.app.carve`.
 
 The router of a carved layer is `vmoe_ext.routers.cmoe`.
 """

@@ -1,29 +1,21 @@
-"""Config schema: one `Section` per config section, checked before compiling.
+"""The schema language of config sections; it imports no component.
 
-`validate(CONFIG, config)` checks a whole training config (unknown fields,
-types, NaN/inf, ranges, the components' own checks) and raises `ConfigError`
-naming the full dotted path; `validate_section("optimizer", cfg)` checks one
-section. `vmoe_ext.train.validate.validate_config` is the entry point the
-training code calls.
+Each package declares its own section beside the code it configures (e.g.
+`vmoe_ext.train.config.TRAIN`, `vmoe_ext.models.config.MODEL`); the run
+assembly (`vmoe_ext.app.schema`) builds the root schema from them and
+resolves a config once: `validate(spec, value, path)` checks a value and
+raises `ConfigError` naming the full dotted path, `fill_defaults(spec,
+value)` sets every absent field to its default.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
+from vmoe_ext.config.defaults import fill_defaults
 from vmoe_ext.config.schema import (REQUIRED, Field, OneOf, Section, Seq,
                                     Spec, dataclass_fields, default_fields,
                                     function_fields, plain, renamed_scope,
                                     validate)
-from vmoe_ext.config.sections import CONFIG, SECTIONS
 
-
-def validate_section(name: str, value: Any) -> None:
-  """Checks the config section `name` ("optimizer", "robustness", ...)."""
-  validate(CONFIG.fields_of({})[name], value, name)
-
-
-__all__ = ["CONFIG", "Field", "OneOf", "REQUIRED", "SECTIONS", "Section",
-           "Seq", "Spec", "dataclass_fields", "default_fields",
-           "function_fields", "plain", "renamed_scope", "validate",
-           "validate_section"]
+__all__ = ["Field", "OneOf", "REQUIRED", "Section", "Seq", "Spec",
+           "dataclass_fields", "default_fields", "fill_defaults",
+           "function_fields", "plain", "renamed_scope", "validate"]

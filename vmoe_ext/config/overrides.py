@@ -6,7 +6,8 @@ expect to set every documented field: one whose default is None
 (`robustness.num_examples`), one the config file leaves out
 (`model.moe.router.noise_std` on `configs/tiny.py`), or a field of a section
 that is off (`robustness.corruptions.names`). `prepare_overrides` walks the
-schema (`vmoe_ext.config.CONFIG`) for each overridden field:
+root schema (given by the caller: the binary's is
+`vmoe_ext.app.schema.CONFIG`) for each overridden field:
 
 * a field the schema does not know is a `ConfigError` naming the full path,
   with a "did you mean" hint, before anything is parsed;
@@ -33,7 +34,6 @@ from ml_collections import config_dict
 
 from vmoe_ext.config.schema import (Field, Section, Seq, Spec, plain,
                                     unknown_message)
-from vmoe_ext.config.sections import CONFIG
 from vmoe_ext.errors import ConfigError
 
 PREFIX = "--config."
@@ -81,14 +81,15 @@ def _preview(config: ml_collections.ConfigDict,
   return tree
 
 
-def field_spec(field: str, preview: dict) -> Optional[Spec]:
-  """The schema spec of dotted `field`; None below a free-form value.
+def field_spec(field: str, preview: dict, root: Spec) -> Optional[Spec]:
+  """The spec of dotted `field` in the schema `root`; None below a
+  free-form value.
 
   Raises:
     ConfigError naming the first unknown part of `field` (or a bad selector
     value such as an unknown router name).
   """
-  spec: Spec = CONFIG
+  spec: Spec = root
   value: Any = preview
   walked: list[str] = []
   for part in field.split("."):
@@ -142,12 +143,14 @@ def _add_placeholder(config: ml_collections.ConfigDict, parts: list[str],
 
 
 def prepare_overrides(config: ml_collections.ConfigDict,
-                      argv: Sequence[str]) -> ml_collections.ConfigDict:
+                      argv: Sequence[str], root: Spec
+                      ) -> ml_collections.ConfigDict:
   """Checks the `--config.FIELD` flags of `argv` and makes each settable.
 
   Args:
     config: the loaded config file (unlocked); changed in place.
     argv: the command line.
+    root: the config's schema.
 
   Returns:
     `config`, with a typed placeholder for each overridden field that it
@@ -161,7 +164,7 @@ def prepare_overrides(config: ml_collections.ConfigDict,
     return config
   preview = _preview(config, pairs)
   for field, text in pairs:
-    spec = field_spec(field, preview)
+    spec = field_spec(field, preview, root)
     if "[" in field:
       continue
     untyped = not isinstance(spec, (Field, Seq, Section)) or (
@@ -172,7 +175,7 @@ def prepare_overrides(config: ml_collections.ConfigDict,
 
 
 def take_none_overrides(config: ml_collections.ConfigDict,
-                        argv: Sequence[str]) -> list[str]:
+                        argv: Sequence[str], root: Spec) -> list[str]:
   """Applies `--config.FIELD=None` for nullable fields; returns the other args.
 
   ml_collections parses a flag with the field's type, so "None" cannot set a
@@ -187,7 +190,7 @@ def take_none_overrides(config: ml_collections.ConfigDict,
   for arg in argv:
     field, eq, text = arg[len(PREFIX):].partition("=")
     if (arg.startswith(PREFIX) and eq and text == "None" and "[" not in field
-        and getattr(field_spec(field, preview), "nullable", False)):
+        and getattr(field_spec(field, preview, root), "nullable", False)):
       *parents, last = field.split(".")
       node = config
       for part in parents:

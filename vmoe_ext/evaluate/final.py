@@ -1,8 +1,8 @@
 """The binary's after-training evaluation: routing analysis, then robustness.
 
-`train_and_evaluate` takes it as its `after_training` hook (training never
-imports evaluation); `evaluate_checkpoint` runs the same two steps
-(`final_evaluations`).
+The train mode (`vmoe_ext.app.train.train_and_evaluate`) takes it as its
+`after_training` hook; the evaluate-only mode (`vmoe_ext.app.evaluate`)
+runs the same two steps (`final_evaluations`).
 
 In a multi-process job every process runs the hook (its jitted functions
 are collectives over the run's mesh: the in-memory test split, the same on
@@ -53,17 +53,19 @@ def final_evaluations(model: Any, variables: Mapping[str, Any],
 def after_training_hook(config: ml_collections.ConfigDict, workdir: str
                         ) -> Callable[..., list[str]]:
   """The `train_and_evaluate(after_training=...)` hook of every run:
-  `hook(run, writer) -> markdown sections` of `final_evaluations`."""
+  `hook(run, writer) -> markdown sections` of `final_evaluations`, `run`
+  being the run's context (`vmoe_ext.app.context.RunContext`; its resolved
+  config is the one evaluated)."""
 
   def hook(run, writer: MetricWriter) -> list[str]:
     main = is_main_process()
     out = workdir if main else tempfile.mkdtemp(prefix="vmoe_ext_plots_")
     try:
       return final_evaluations(
-          run.model, run.state.variables(), run.datasets["test"], config,
+          run.model, run.state.variables(), run.data.test, run.config,
           writer=writer, step=int(run.state.step), workdir=out,
           records=_records(workdir) if main else [],
-          partitioning=getattr(run, "partitioning", None))
+          partitioning=run.partitioning)
     finally:
       if not main:
         shutil.rmtree(out, ignore_errors=True)

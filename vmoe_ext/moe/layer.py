@@ -20,7 +20,8 @@ from vmoe_ext.moe.dispatch import DISPATCHERS, make_dispatch_plan
 from vmoe_ext.moe.contract import (Assignment, LayerRecord, Metrics, Router,
                                    RoutingContext)
 from vmoe_ext.moe.expert_parallel import ExpertParallel, expert_parallel_moe
-from vmoe_ext.moe.experts import DenseMlp, MlpExperts, check_activation
+from vmoe_ext.moe.experts import (INIT_MODES, DenseMlp, MlpExperts,
+                                  check_activation)
 
 Array = jax.Array
 
@@ -124,6 +125,17 @@ class MoeLayer(nn.Module):
             f"must be an integer >= 0, got {self.shared_experts!r}")
     require(self.output_bias in OUTPUT_BIASES, "moe.output_bias",
             f"must be one of {OUTPUT_BIASES}, got {self.output_bias!r}")
+    require(self.capacity_multiple is None or (
+        isinstance(self.capacity_multiple, int)
+        and not isinstance(self.capacity_multiple, bool)
+        and self.capacity_multiple > 0), "moe.capacity_multiple",
+            f"must be None or a positive integer, got "
+            f"{self.capacity_multiple!r}")
+    require(0.0 <= self.dropout_rate < 1.0, "moe.dropout_rate",
+            f"must be in [0, 1), got {self.dropout_rate}")
+    require(self.expert_init in INIT_MODES, "moe.expert_init",
+            f"unknown expert init {self.expert_init!r}; expected one of "
+            f"{INIT_MODES}")
     check_activation(self.activation, "mlp_activation")
     super().__post_init__()
 

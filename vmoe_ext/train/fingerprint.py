@@ -21,9 +21,9 @@ import jax
 import ml_collections
 import numpy as np
 
-from vmoe_ext.config import CONFIG
 from vmoe_ext.config.defaults import fill_defaults
 from vmoe_ext.errors import ConfigError
+from vmoe_ext.models.config import MODEL
 
 
 def normalise_json(value: Any, name: str) -> Any:
@@ -72,7 +72,7 @@ def with_filled_model(fingerprint: Mapping[str, Any]) -> dict[str, Any]:
   out = dict(fingerprint)
   if isinstance(out.get("model"), Mapping):
     try:
-      out["model"] = _json_safe(fill_defaults(CONFIG.fields_of({})["model"],
+      out["model"] = _json_safe(fill_defaults(MODEL,
                                               out["model"], "model"))
     except Exception:  # pylint: disable=broad-except
       pass  # E.g. a router name no longer registered: compared as stored.

@@ -52,14 +52,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from vmoe_ext.config import validate_section
-from vmoe_ext.config.sections import OPTIMIZER as OPTIMIZER_SECTION
+from vmoe_ext.config.defaults import fill_defaults
+from vmoe_ext.config.schema import REQUIRED, Field, Section, Seq
 from vmoe_ext.errors import ConfigError, require
 from vmoe_ext.registry import Registry
 
-# Config name -> the function `(validated config) -> the optimizer's update
-# direction` (None: the plain gradient). The field types of the section are
-# `vmoe_ext.config.sections.OPTIMIZER`.
+# Config name -> the function `(filled config) -> the optimizer's update
+# direction` (None: the plain gradient).
 OPTIMIZERS = Registry("optimizer", {
     "adam": "vmoe_ext.train.optimizer:adam_direction",
     "adamw": "vmoe_ext.train.optimizer:adam_direction",
@@ -68,7 +67,6 @@ OPTIMIZERS = Registry("optimizer", {
 NAMES = tuple(OPTIMIZERS)
 DECAYS = ("cosine", "linear", "constant")
 MASKS = ("all", "no_bias_norm")
-FIELDS = tuple(OPTIMIZER_SECTION.fields)
 # Leaf names that never decay under "no_bias_norm", whatever their rank:
 # biases (flax "bias", the MoE experts' stacked "bi"/"bo" [E, H]/[E, D]),
 # LayerNorm and SoftMoE "scale", and the ViT position embedding and class
@@ -100,11 +98,11 @@ def _is_int(x: Any) -> bool:
   return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
-def _real(cfg: Mapping[str, Any], name: str, default: Any, lo: float,
+def _real(cfg: Mapping[str, Any], name: str, lo: float,
           hi: float | None = None, lo_open: bool = False,
           hi_open: bool = False) -> float:
-  """Reads a finite float field in [lo, hi] (bounds optionally open)."""
-  value = cfg.get(name, default)
+  """Checks a finite float field in [lo, hi] (bounds optionally open)."""
+  value = cfg.get(name)
   lo_ok = _is_real(value) and (value > lo if lo_open else value >= lo)
   hi_ok = hi is None or (_is_real(value) and
                          (value < hi if hi_open else value <= hi))
@@ -115,25 +113,22 @@ def _real(cfg: Mapping[str, Any], name: str, default: Any, lo: float,
   return float(value)
 
 
-def _validated(config: Any) -> dict[str, Any]:
-  """Reads the optimizer config, fills defaults, checks every field."""
-  cfg = _to_dict(config)
-  validate_section(_PREFIX, cfg)  # Unknown fields, types, NaN/inf, names.
-  out: dict[str, Any] = {}
+def check_optimizer(cfg: Mapping[str, Any]) -> None:
+  """The ranges and combinations of an `optimizer` section (its types are
+  checked by the schema first): the `OPTIMIZER` section's check, run once
+  when the config is resolved. `cfg` is the section as the user gave it, so
+  an Adam field set for SGD (or the reverse) is an error."""
+  raw = _to_dict(cfg)
+  cfg = fill_defaults(OPTIMIZER, raw)
   name = cfg.get("name")
-  out["name"] = OPTIMIZERS.check(name)
+  OPTIMIZERS.check(name)
   require("learning_rate" in cfg, _field("learning_rate"), "is required")
-  out["learning_rate"] = _real(cfg, "learning_rate", None, 0.0)
-
-  decay = cfg.get("decay", "cosine")
+  _real(cfg, "learning_rate", 0.0)
+  decay, warmup, total = cfg["decay"], cfg["warmup_steps"], cfg["total_steps"]
   require(decay in DECAYS, _field("decay"),
           f"unknown decay {decay!r}; expected one of {DECAYS}")
-  out["decay"] = decay
-  warmup = cfg.get("warmup_steps", 0)
   require(_is_int(warmup) and warmup >= 0, _field("warmup_steps"),
           f"must be an integer >= 0, got {warmup!r}")
-  out["warmup_steps"] = int(warmup)
-  total = cfg.get("total_steps")
   if total is None:
     require(decay == "constant" and warmup == 0, _field("total_steps"),
             f"is required with decay={decay!r} and warmup_steps={warmup}")
@@ -142,54 +137,74 @@ def _validated(config: Any) -> dict[str, Any]:
             f"must be a positive integer, got {total!r}")
     require(warmup <= total, _field("warmup_steps"),
             f"warmup_steps={warmup} exceeds total_steps={total}")
-    total = int(total)
-  out["total_steps"] = total
-  out["end_learning_rate"] = _real(cfg, "end_learning_rate", 0.0, 0.0,
-                                   out["learning_rate"])
-
-  adam_only = ("b1", "b2", "eps")
-  sgd_only = ("momentum", "nesterov")
+  _real(cfg, "end_learning_rate", 0.0, float(cfg["learning_rate"]))
+  adam_only, sgd_only = ("b1", "b2", "eps"), ("momentum", "nesterov")
   if name == "sgd":
     for key in adam_only:
-      require(key not in cfg, _field(key), f"is an Adam field; optimizer "
+      require(key not in raw, _field(key), f"is an Adam field; optimizer "
               f"'sgd' does not use it")
-    out["momentum"] = _real(cfg, "momentum", 0.0, 0.0, 1.0, hi_open=True)
-    nesterov = cfg.get("nesterov", False)
-    require(isinstance(nesterov, bool), _field("nesterov"),
-            f"must be a bool, got {nesterov!r}")
-    require(not nesterov or out["momentum"] > 0, _field("nesterov"),
+    momentum = _real(cfg, "momentum", 0.0, 1.0, hi_open=True)
+    require(not cfg["nesterov"] or momentum > 0, _field("nesterov"),
             "needs momentum > 0")
-    out["nesterov"] = nesterov
   else:
     for key in sgd_only:
-      require(key not in cfg, _field(key), f"is an SGD field; optimizer "
+      require(key not in raw, _field(key), f"is an SGD field; optimizer "
               f"{name!r} does not use it")
-    out["b1"] = _real(cfg, "b1", 0.9, 0.0, 1.0, hi_open=True)
-    out["b2"] = _real(cfg, "b2", 0.999, 0.0, 1.0, hi_open=True)
-    out["eps"] = _real(cfg, "eps", 1e-8, 0.0)
-
-  out["weight_decay"] = _real(cfg, "weight_decay", 0.0, 0.0)
-  require(name != "adam" or out["weight_decay"] == 0.0, _field("weight_decay"),
+    _real(cfg, "b1", 0.0, 1.0, hi_open=True)
+    _real(cfg, "b2", 0.0, 1.0, hi_open=True)
+    _real(cfg, "eps", 0.0)
+  weight_decay = _real(cfg, "weight_decay", 0.0)
+  require(name != "adam" or weight_decay == 0.0, _field("weight_decay"),
           "optimizer 'adam' takes no weight decay; use name='adamw' for "
           "decoupled weight decay")
-  mask = cfg.get("weight_decay_mask", "no_bias_norm")
+  mask = cfg["weight_decay_mask"]
   require(mask in MASKS, _field("weight_decay_mask"),
           f"unknown mask {mask!r}; expected one of {MASKS}")
-  out["weight_decay_mask"] = mask
-
-  clip = cfg.get("clip_global_norm")
+  clip = cfg["clip_global_norm"]
   require(clip is None or (_is_real(clip) and clip >= 0),
           _field("clip_global_norm"),
           f"must be None or a finite number >= 0, got {clip!r}")
-  out["clip_global_norm"] = float(clip) if clip else None
-  frozen = tuple(cfg.get("frozen") or ())
-  for i, pattern in enumerate(frozen):
+  for i, pattern in enumerate(cfg["frozen"] or ()):
     try:
       re.compile(pattern)
     except (re.error, TypeError) as e:
       raise ConfigError(_field(f"frozen[{i}]"),
                         f"invalid regex {pattern!r}: {e}") from e
-  out["frozen"] = frozen
+
+
+OPTIMIZER = Section({
+    "name": Field("str", REQUIRED, choices=OPTIMIZERS),
+    "learning_rate": Field("float", REQUIRED, doc="peak, >= 0"),
+    "warmup_steps": Field("int", 0),
+    "decay": Field("str", "cosine", doc=f"one of {DECAYS}"),
+    "total_steps": Field("int", None, nullable=True),
+    "end_learning_rate": Field("float", 0.0),
+    "b1": Field("float", 0.9),
+    "b2": Field("float", 0.999),
+    "eps": Field("float", 1e-8),
+    "momentum": Field("float", 0.0),
+    "nesterov": Field("bool", False),
+    "weight_decay": Field("float", 0.0),
+    "weight_decay_mask": Field("str", "no_bias_norm"),
+    "clip_global_norm": Field("float", None, nullable=True),
+    "frozen": Seq(Field("str"), (), doc="regexes of params never updated"),
+}, check=check_optimizer,
+                    doc="the optimizer and its schedule (module docstring)")
+FIELDS = tuple(OPTIMIZER.fields)
+
+
+def _settings(config: Any) -> dict[str, Any]:
+  """A checked `optimizer` section with its defaults filled (the schema's),
+  numbers as Python floats/ints."""
+  cfg = fill_defaults(OPTIMIZER, _to_dict(config))
+  out = dict(cfg)
+  for key in ("learning_rate", "end_learning_rate", "weight_decay", "b1",
+              "b2", "eps", "momentum"):
+    out[key] = float(cfg[key])
+  out["warmup_steps"] = int(cfg["warmup_steps"])
+  clip = cfg["clip_global_norm"]
+  out["clip_global_norm"] = float(clip) if clip else None
+  out["frozen"] = tuple(cfg["frozen"] or ())
   return out
 
 
@@ -229,10 +244,10 @@ def make_learning_rate(config: Any) -> optax.Schedule:
   so the schedule reaches `e` at step N and stays there. The returned
   function accepts Python or traced integer steps and returns float32.
 
-  Raises:
-    ConfigError naming the field for any invalid value.
+  `config` is a checked section (the run assembly checks it once, when the
+  config is resolved; alone: `validate(OPTIMIZER, config, "optimizer")`).
   """
-  cfg = _validated(config)
+  cfg = _settings(config)
   return _schedule(cfg["learning_rate"], cfg["end_learning_rate"],
                    cfg["warmup_steps"], cfg["total_steps"], cfg["decay"])
 
@@ -282,10 +297,10 @@ def make_optimizer(config: Any,
       and the optimizer must then be used with trees of that structure;
       otherwise the mask is computed from the tree passed to `init`/`update`.
 
-  Raises:
-    ConfigError naming the field for any invalid value.
+  `config` is a checked section (see `make_learning_rate`); a `frozen`
+  regex that matches no param is an error at `init`.
   """
-  cfg = _validated(config)
+  cfg = _settings(config)
   schedule = _schedule(cfg["learning_rate"], cfg["end_learning_rate"],
                        cfg["warmup_steps"], cfg["total_steps"], cfg["decay"])
   chain = []
@@ -365,6 +380,7 @@ def _mask_fn(mode: str) -> Callable[[Any], Any]:
   return lambda params: weight_decay_mask(params, mode)
 
 
-__all__ = ["DECAYS", "MASKS", "NAMES", "NO_DECAY_NAMES", "OPTIMIZERS",
+__all__ = ["DECAYS", "FIELDS", "MASKS", "NAMES", "NO_DECAY_NAMES",
+           "OPTIMIZER", "OPTIMIZERS", "check_optimizer",
            "adam_direction", "freeze", "frozen_mask", "make_learning_rate", "make_optimizer",
            "sgd_direction", "weight_decay_mask"]

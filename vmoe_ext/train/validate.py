@@ -1,67 +1,18 @@
-"""Config validation for the training binary, before anything is compiled.
-
-`validate_config` checks the config against its schema
-(`vmoe_ext.config.sections`: unknown fields at any depth, types, NaN/inf,
-ranges, the components' own checks) plus what spans sections;
-`validate_shapes` checks what depends on the data (patches and routing groups
-against the image shape, the classifier against the number of classes) once
-the data is loaded, still before tracing the model. Every `ConfigError` names
-the full dotted path.
-The robustness section's evaluation datasets are checked by
-`vmoe_ext.evaluate.robustness.robustness_config` (the binary calls it).
+"""Checks that need the data: patches, routing groups and the classifier
+against the dataset's images and classes, batches and experts against the
+mesh; run by the run assembly once the data is opened, before anything is
+traced. The config itself is checked once, before, by
+`vmoe_ext.app.schema.resolve_config`. Every `ConfigError` names the full
+dotted path.
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
-import jax
 import ml_collections
 
-from vmoe_ext.config import CONFIG, SECTIONS, validate
-from vmoe_ext.errors import field_scope, require
-from vmoe_ext.train.optimizer import make_optimizer
-from vmoe_ext.train.steps import mixup_options
-
-TRAIN_FIELDS = tuple(CONFIG.fields_of({})["train"].fields)
-
-
-def validate_config(config: ml_collections.ConfigDict) -> None:
-  """Raises ConfigError naming the first invalid field."""
-  validate(CONFIG, config)
-  with field_scope("optimizer"):
-    make_optimizer(config.optimizer)
-  train_steps = config.train.total_steps
-  total = config.optimizer.get("total_steps")
-  require(total in (None, train_steps), "optimizer.total_steps",
-          f"{total} differs from train.total_steps={train_steps}; the "
-          "schedule would not end with the run")
-  robustness = config.get("robustness")
-  require(not (robustness is not None and robustness.get("from_init"))
-          or config.get("init") is not None, "robustness.from_init",
-          "evaluates the params the init section loads, but init is None")
-  _validate_mixup(config)
-
-
-def _validate_mixup(config: ml_collections.ConfigDict) -> None:
-  """With mixup on: the batch splits into the mixing groups, and `size`
-  examples fit in one group (the groups `make_train_step` resolves)."""
-  mixup = config.train.get("mixup")
-  with field_scope("train.mixup"):
-    options = mixup_options(mixup)
-  if options is None:
-    return
-  batch, groups, size = (config.data.batch_size, options["groups"],
-                         options["size"])
-  resolved = (f"groups=None resolves to jax.device_count() = "
-              f"{jax.device_count()}, vmoe's one group per device")
-  require(batch % groups == 0, "train.mixup.groups",
-          f"data.batch_size={batch} does not split into {groups} mixing "
-          f"groups of equal size ({resolved})")
-  require(size <= batch // groups, "train.mixup.size",
-          f"{size} examples per mixed example exceed the {batch // groups} "
-          f"examples of a mixing group (data.batch_size={batch} / {groups} "
-          f"groups; {resolved})")
+from vmoe_ext.errors import require
 
 
 def num_tokens(model, image_shape: tuple[int, ...]) -> int:
@@ -108,5 +59,4 @@ def validate_shapes(config: ml_collections.ConfigDict, model,
       ep.check_groups(config.data[field] * t // s, f"data.{field}")
 
 
-__all__ = ["SECTIONS", "TRAIN_FIELDS", "num_tokens", "validate_config",
-           "validate_shapes"]
+__all__ = ["num_tokens", "validate_shapes"]

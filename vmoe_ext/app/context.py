@@ -1,0 +1,235 @@
+"""`RunContext`: one assembly of a run for the train, evaluate and carve modes.
+
+    ctx = RunContext.assemble(config)        # resolve once, model once
+    ctx.open_training(workdir)                # train: state + checkpoints
+    ctx.open_evaluation(source=... | init)    # evaluate-only / carve
+    ctx.evaluate()                            # clean test metrics
+
+It holds the resolved config, the partitioning (the `sharding` section's
+mesh), the model (built once, with the mesh's expert parallelism), the data
+(`vmoe_ext.data.source.DataSource`: in memory or streamed, behind one
+interface), the state, and for training the workdir's checkpoint manager.
+Every mode asks its parts of it; none builds its own. Tests inject a
+`DataSource` or a `Partitioning` through `assemble`'s arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any, Callable, Iterator, Optional
+
+import flax.linen as nn
+import flax.serialization
+import jax
+import ml_collections
+import numpy as np
+
+from vmoe_ext.app.schema import resolve_config
+from vmoe_ext.data.source import DataSource
+from vmoe_ext.errors import require
+from vmoe_ext.models import build_model
+from vmoe_ext.sharding.multihost import process_rows
+from vmoe_ext.sharding.partitioning import Partitioning
+from vmoe_ext.train.checkpoints import CheckpointManager, config_fingerprint
+from vmoe_ext.train.initialization import check_init, load_init_params
+from vmoe_ext.train.optimizer import make_optimizer
+from vmoe_ext.train.state import TrainState
+from vmoe_ext.train.steps import evaluate, make_eval_step
+from vmoe_ext.train.validate import validate_shapes
+
+log = logging.getLogger(__name__)
+
+
+class ResolvedConfig(ml_collections.ConfigDict):
+  """A config `resolve_config` returned: checked, every default filled."""
+
+
+def resolved(config: Any) -> ResolvedConfig:
+  """`config` resolved (once: a `ResolvedConfig` is returned as it is)."""
+  if isinstance(config, ResolvedConfig):
+    return config
+  return ResolvedConfig(resolve_config(config).to_dict())
+
+
+@dataclasses.dataclass
+class RunContext:
+  """The parts of a run (module docstring).
+
+  Attributes:
+    config: the resolved config.
+    partitioning: the mesh and shardings: the state lives split by its
+      rules, batches are global arrays assembled from every process's rows,
+      the steps are jitted with these shardings.
+    model: the Flax model, built once.
+    data: the run's data.
+    state: the train state (`open_training`: initial, or restored by
+      `restore`), or params and collections only (`open_evaluation`).
+    checkpoints: the workdir's checkpoint manager (training).
+    resumed_extra: what the restored checkpoint stored beside the state.
+  """
+  config: ResolvedConfig
+  partitioning: Partitioning
+  model: nn.Module
+  data: DataSource
+  state: Optional[TrainState] = None
+  checkpoints: Optional[CheckpointManager] = None
+  resumed_extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+  _eval_steps: dict[int, Callable] = dataclasses.field(default_factory=dict)
+
+  @classmethod
+  def assemble(cls, config: Any, *, data: Optional[DataSource] = None,
+               partitioning: Optional[Partitioning] = None) -> "RunContext":
+    """Resolves `config` (unless it is resolved), makes the mesh and builds
+    the model: every config error is raised here, before any data is read
+    or anything compiled. `data` / `partitioning` replace the ones the
+    config describes (tests inject them)."""
+    config = resolved(config)
+    if partitioning is None:
+      partitioning = Partitioning.from_config(config.sharding)
+    model = build_model(config.model, partitioning.expert_parallel)
+    if data is None:
+      data = DataSource(config.data, config.seed)
+    return cls(config, partitioning, model, data)
+
+  # -------------------------------------------------------------- training
+
+  def open_training(self, workdir: str) -> None:
+    """The initial train state (or the `init` section's params over it),
+    straight into its shardings, and `workdir`'s checkpoint manager."""
+    config, data = self.config, self.data
+    sample = data.sample_batch()
+    if data.local_train:
+      data.check_channels(sample)
+    validate_shapes(config, self.model, sample.shape,
+                    num_classes=data.num_classes,
+                    partitioning=self.partitioning)
+    data.train_iterator()
+    init_key, state_key = jax.random.split(jax.random.key(config.seed))
+    # The parameters do not depend on the layout: initialise the unsplit
+    # model (on this process's rows), straight into the state's shardings.
+    init_model = self.model if self.model.expert_parallel is None else (
+        self.model.clone(expert_parallel=None))
+    shapes = jax.eval_shape(lambda x: init_model.init(init_key, x), sample)
+    init = config.init
+    if init is not None:  # Checked on shapes, before compiling model.init.
+      check_init(init, shapes["params"])
+    variables = jax.jit(lambda x: init_model.init(init_key, x),
+                        out_shardings=self.partitioning.shardings(shapes)
+                        )(sample)
+    if init is not None:
+      params, report = load_init_params(init, variables["params"])
+      log.warning("%s", report.summary())
+      variables = {**variables, "params": params}
+    self.state = self.partitioning.shard(TrainState.create(
+        variables, make_optimizer(config.optimizer), state_key))
+    self.checkpoints = CheckpointManager(
+        os.path.join(workdir, "checkpoints"),
+        save_every=config.train.checkpoint_every,
+        keep=config.train.keep_checkpoints,
+        config_fingerprint=config_fingerprint(config, self.state.params))
+
+  def next_batch(self) -> dict:
+    """The next training batch, a global array split over the mesh."""
+    return self.global_batch(next(self.data.train_iterator()),
+                             local=self.data.local_train)
+
+  def save(self, **extra: Any) -> None:
+    """Checkpoints the state and data position (and JSON `extra`)."""
+    self.checkpoints.save(int(self.state.step),
+                          flax.serialization.to_state_dict(self.state),
+                          {"data": self.data.train_iterator().get_state(),
+                           **extra}, force=True)
+
+  def restore(self) -> Optional[int]:
+    """Restores the newest checkpoint (state and data position), if any."""
+    restored = self.checkpoints.restore(
+        flax.serialization.to_state_dict(self.state))
+    if restored is None:
+      return None
+    state_dict, extra, step = restored
+    self.state = flax.serialization.from_state_dict(self.state, state_dict)
+    self.data.train_iterator().set_state(extra["data"])
+    self.resumed_extra = dict(extra)
+    return step
+
+  # ------------------------------------------------------------ evaluation
+
+  def eval_image_shape(self) -> tuple[int, ...]:
+    """`[B, H, W, C]` of an evaluation batch on this process (streamed
+    batches hold this process's share of the rows)."""
+    rows = self.config.data.eval_batch_size // (
+        jax.process_count() if self.data.local_eval else 1)
+    return (rows,) + tuple(self.data.test.image_shape)
+
+  def open_evaluation(self, source: Optional[str] = None, *,
+                      field: str = "robustness.checkpoint_dir") -> str:
+    """Params and collections to evaluate, no optimizer: the newest
+    checkpoint of the training workdir `source` (errors name `field`), or
+    with `source=None` the params the `init` section loads over a fresh
+    initialisation. Returns a line saying what was loaded."""
+    image_shape = self.eval_image_shape()
+    validate_shapes(self.config, self.model, image_shape,
+                    num_classes=getattr(self.data.test, "num_classes", None))
+    sample = jax.ShapeDtypeStruct(image_shape, np.float32)
+    if source is None:
+      key = jax.random.key(self.config.seed)
+      check_init(self.config.init,
+                 jax.eval_shape(self.model.init, key, sample)["params"])
+      variables = dict(jax.jit(self.model.init)(
+          key, np.zeros(image_shape, np.float32)))
+      params = variables.pop("params")
+      variables.pop("intermediates", None)
+      params, report = load_init_params(self.config.init, params)
+      self.state = TrainState.for_evaluation(params, variables, 0)
+      return f"Evaluated the params {report.summary().splitlines()[0]}."
+    variables = dict(jax.eval_shape(self.model.init, jax.random.key(0),
+                                    sample))
+    params = variables.pop("params")
+    variables.pop("intermediates", None)
+    manager = CheckpointManager(
+        os.path.join(source, "checkpoints"), save_every=0,
+        keep=self.config.train.keep_checkpoints,
+        config_fingerprint=config_fingerprint(self.config, params),
+        purpose="evaluate")
+    try:
+      restored = manager.restore_variables({"params": params,
+                                            "collections": variables})
+    finally:
+      manager.close()
+    require(restored is not None, field,
+            f"no checkpoint could be restored from {manager.directory!r}")
+    entries, step = restored
+    self.state = TrainState.for_evaluation(entries["params"],
+                                           entries["collections"], step)
+    return (f"Evaluated checkpoint: step {step} of "
+            f"`{os.path.abspath(source)}`.")
+
+  def global_batch(self, batch: dict, local: bool) -> dict:
+    """The global batch from a process's rows (`local`: the streaming
+    loaders' per-process share) or from a batch every process drew whole
+    (the in-memory loaders)."""
+    return self.partitioning.global_batch(batch if local
+                                          else process_rows(batch))
+
+  def eval_batches(self) -> Iterator[dict]:
+    """Every test example once, padded + masked, preprocessed."""
+    return self.data.eval_batches()
+
+  def evaluate(self, model: Optional[nn.Module] = None,
+               state: Optional[TrainState] = None) -> dict[str, Any]:
+    """Accuracy, top-5, loss and routing metrics of the test split, of the
+    run's model and state or of `model` / `state` (each model's step is
+    jitted once)."""
+    model = self.model if model is None else model
+    state = self.state if state is None else state
+    if id(model) not in self._eval_steps:
+      self._eval_steps[id(model)] = self.partitioning.jit_eval_step(
+          make_eval_step(model, self.config.train.loss), state)
+    return evaluate(self._eval_steps[id(model)], state,
+                    (self.global_batch(b, local=self.data.local_eval)
+                     for b in self.eval_batches()))
+
+
+__all__ = ["ResolvedConfig", "RunContext", "resolved"]

@@ -1,0 +1,133 @@
+"""The root config schema, and resolving a config once per run.
+
+The root schema is assembled here from the sections each package declares
+beside the code it configures:
+
+    seed, train, optimizer, init   vmoe_ext.train.config
+    data                           vmoe_ext.data.config
+    model                          vmoe_ext.models.config
+    robustness                     vmoe_ext.evaluate.config
+    carve                          vmoe_ext.carving.config
+    sharding                       vmoe_ext.sharding.config
+
+`resolve_config(config)` validates the whole config (unknown fields at any
+depth, types, NaN/inf, ranges, each section's own checks, then what spans
+sections) and returns it with every absent field set to its schema default:
+the config every part of the run reads, so no part restates a default. The
+model's own checks (placement, a router's `__post_init__`, the MoE layer's
+ranges) run where the model is built, once per run, right after
+(`vmoe_ext.app.context.RunContext.assemble`); `validate_config` runs both.
+A `ConfigError` names the full dotted path as the user wrote it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import jax
+import ml_collections
+
+from vmoe_ext.carving.config import CARVE
+from vmoe_ext.carving.spec import CarveSpec
+from vmoe_ext.config.defaults import fill_defaults
+from vmoe_ext.config.schema import Section, plain, validate
+from vmoe_ext.data.config import DATA
+from vmoe_ext.errors import require
+from vmoe_ext.evaluate.config import ROBUSTNESS
+from vmoe_ext.models import build_model
+from vmoe_ext.models.config import MODEL
+from vmoe_ext.sharding.config import SHARDING
+from vmoe_ext.train.config import INIT, MIXUP, OPTIMIZER, SEED, TRAIN
+
+
+def _check_mixup(config: Mapping[str, Any]) -> None:
+  """With mixup on: the batch splits into the mixing groups, and `size`
+  examples fit in one group (`groups=None`: one group per device)."""
+  mixup = fill_defaults(MIXUP, config["train"].get("mixup"))
+  if mixup is None or not mixup["concentration"]:
+    return
+  groups = mixup["groups"]
+  resolved = ""
+  if groups is None:
+    groups = jax.device_count()
+    resolved = (f" (groups=None resolves to jax.device_count() = {groups}, "
+                "vmoe's one group per device)")
+  size = mixup["size"]
+  batch = config["data"]["batch_size"]
+  require(batch % groups == 0, "train.mixup.groups",
+          f"data.batch_size={batch} does not split into {groups} mixing "
+          f"groups of equal size{resolved}")
+  require(size <= batch // groups, "train.mixup.size",
+          f"{size} examples per mixed example exceed the {batch // groups} "
+          f"examples of a mixing group (data.batch_size={batch} / {groups} "
+          f"groups{resolved})")
+
+
+def _check_across_sections(config: dict[str, Any]) -> None:
+  """What no single section can check."""
+  train_steps = config["train"]["total_steps"]
+  total = config["optimizer"].get("total_steps")
+  require(total in (None, train_steps), "optimizer.total_steps",
+          f"{total} differs from train.total_steps={train_steps}; the "
+          "schedule would not end with the run")
+  robustness = config.get("robustness")
+  require(not (robustness is not None and robustness.get("from_init"))
+          or config.get("init") is not None, "robustness.from_init",
+          "evaluates the params the init section loads, but init is None")
+  _check_mixup(config)
+  if config.get("carve") is not None:
+    _check_carve(config)
+
+
+def _check_carve(config: Mapping[str, Any]) -> None:
+  """The carve section against the model it carves and the data it reads."""
+  CarveSpec.from_config(config["carve"]).check(config["model"])
+  data = config["data"]
+  require(not (data.get("name") == "tfds" and data.get("streaming"))
+          or data.get("pp_eval"), "data.pp_eval",
+          "required by the carve mode with data.streaming=True: the "
+          "calibration images of the train split are preprocessed as for "
+          "evaluation, e.g. 'decode|resize_small(256)|central_crop(224)|"
+          "value_range(-1, 1)'")
+
+
+CONFIG = Section({
+    "seed": SEED,
+    "data": DATA,
+    "model": MODEL,
+    "optimizer": OPTIMIZER,
+    "train": TRAIN,
+    "robustness": ROBUSTNESS,
+    "init": INIT,
+    "carve": CARVE,
+    "sharding": SHARDING,
+}, check=_check_across_sections)
+SECTIONS = tuple(CONFIG.fields_of({}))
+
+
+def resolve_config(config: Any) -> ml_collections.ConfigDict:
+  """The validated `config` with every absent field set to its default.
+
+  Args:
+    config: a run config (ConfigDict or dict; not modified).
+
+  Returns:
+    A new ConfigDict holding every field of every section that is on
+    (sections that are None stay None).
+
+  Raises:
+    ConfigError: the first invalid field, by its full dotted path.
+  """
+  validate(CONFIG, config)
+  return ml_collections.ConfigDict(fill_defaults(CONFIG, plain(config)))
+
+
+def validate_config(config: Any) -> None:
+  """Raises `ConfigError` naming the first invalid field: everything a run
+  checks before reading data, i.e. `resolve_config` and the model's own
+  checks (placement, routers, MoE layers), which run when the model is
+  built (`RunContext.assemble` builds it once per run)."""
+  build_model(resolve_config(config).model)
+
+
+__all__ = ["CONFIG", "SECTIONS", "resolve_config", "validate_config"]
