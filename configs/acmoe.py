@@ -4,7 +4,7 @@
 
 The default V-MoE (MoE in blocks 1 and 3, E=4, top-2) with the AC router on
 every MoE layer that has one before it ("full": block 3). The argument picks
-the preset and its base router (DESIGN §4.4, docs/routers.md):
+the preset and its base router (docs/routers.md, "`acmoe`"):
 
 * `paper` (default): the paper's Definitions 1-2 — MAD, `M_k = diag(1/s_k)`
   with mean 1, scaled tokens to the router only; base: V-MoE noisy top-2.

@@ -3,7 +3,7 @@
     python experiments/acmoe_synthetic.py [--seeds 0 1 2 3 4]
         [--out runs/acmoe_synthetic]
 
-Claims (ACMoE §3.2, DESIGN §4.4), tested on the mixture of
+Claims (ACMoE §3.2; docs/routers.md, "`acmoe`"), tested on the mixture of
 `vmoe_ext.data.synthetic`: K=4 clusters, D=64 features, each cluster tight
 (std 0.05) on its own 16 features, where its mean is higher by 0.1 (the
 dataset's 0.35 leaves no errors below noise 0.3), and loose (std 0.15)

@@ -146,7 +146,7 @@ def ac_cluster_weights(tokens, clusters, num_clusters, dispersion, eps, clamp,
   """ACMoE feature weights `[E, D]`, cluster by cluster, feature by feature.
 
   `mean`: "cluster" | "feature" | "global_pre_clamp" | "global_post_clamp" |
-  "none" (DESIGN §4.4).
+  "none" (docs/routers.md, "`acmoe`", presets table).
   """
   x = np.asarray(tokens, np.float64)
   n, d = x.shape
@@ -255,7 +255,7 @@ def symphony_step(tokens, kernel, adjacency, *, k, beta, threshold=0.0):
 
 
 # ----------------------------------------------------------------------------
-# Momentum residual streams (DESIGN §4.7), written from the paper's equations
+# Momentum residual streams (docs/streams.md), from the paper's equations
 # (paper layout: f = -u, u the MoE output) and from the authors' V-MoE code
 # (vmoe_reference: m = mu m + gamma u; LN_2(x - m), robust m = -u + mu m;
 # LN_2(x + gamma m), extrapolation after LN_1). One block at a time: the

@@ -2,8 +2,8 @@
 
 References are independent: `naive.ac_cluster_weights` / `ac_token_scales`
 (per-cluster, per-feature loops in float64) with the preset table copied
-from DESIGN §4.4 below (not from the implementation's `PRESETS`), NumPy
-router scores, and `naive.soft_moe` / `token_choice_moe` for layer outputs.
+from docs/routers.md ("`acmoe`") below (not from the implementation's
+`PRESETS`), NumPy router scores, and `naive.soft_moe` / `token_choice_moe` for layer outputs.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from vmoe_ext.routers import adaptive_clustering as ac
 from vmoe_ext.routers import build_router
 from vmoe_ext.routers.acmoe import resolve_ac_layers
 
-# DESIGN §4.4: (eps, clamp, mean) of each preset's MAD form and variance form.
+# docs/routers.md, "`acmoe`": (eps, clamp, mean) of each preset's MAD form and
+# variance form.
 TABLE = {
     ("paper", "mad"): (1e-4, None, "cluster"),
     ("paper", "variance"): (1e-4, None, "cluster"),
@@ -272,7 +273,7 @@ def test_placement_presets_match_the_paper():
     ("swin", (1, 2, 3, 4, 5)), ("softmoe", (1, 2, 3, 4, 5))])
 def test_placement_defaults_to_where_the_authors_runs_put_it(preset,
                                                              placement):
-  """DESIGN §4.4 "first AC layer in the runs": LM code from the 3rd of 6 MoE
+  """docs/routers.md, `layers` "preset": LM code from the 3rd of 6 MoE
   layers; Swin, SoftMoE (and the paper's Definition 2) from the 2nd."""
   base = {"name": "soft"} if preset == "softmoe" else {"name": "noisy_topk"}
   router = build_router({"name": "acmoe", "normalization": preset,

@@ -87,7 +87,8 @@ def test_noisy_top_k_auxiliary_loss_is_the_weighted_sum(rng):
   expected = (0.1 * m["importance_loss"] + 0.2 * m["load_loss"]
               + 0.3 * m["gshard_loss"] + 0.4 * m["z_loss"])
   np.testing.assert_allclose(m["auxiliary_loss"], expected, rtol=1e-6)
-  # Importance from clean gates (DESIGN) vs noisy gates (vmoe's code).
+  # Importance from clean gates (the default, google vmoe's code) vs noisy
+  # gates (the V-MoE paper's appendix).
   np.testing.assert_allclose(
       m["importance_loss"], losses.importance_loss(jax.nn.softmax(logits)),
       rtol=1e-6)

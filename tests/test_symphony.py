@@ -1,4 +1,4 @@
-"""Symphony router (DESIGN §4.5): Algorithm 1 against a NumPy loop, the graph
+"""Symphony router (docs/routers.md): Algorithm 1 against a NumPy loop, the graph
 as training state (evaluation, attacks, checkpoints, data parallelism),
 Proposition 1 on random graphs, SymphonySoftMoE, configs and bad input."""
 
