@@ -55,7 +55,7 @@ from moe_layer import make_step  # noqa: E402
 from router_overhead import OPTIMIZER, model_config, shapes  # noqa: E402
 
 from vmoe_ext.carving.layer import carve_mlp  # noqa: E402
-from vmoe_ext.carving.mode import calibration_images  # noqa: E402
+from vmoe_ext.carving.dense_source import calibration_images  # noqa: E402
 from vmoe_ext.carving.model import carve_vit  # noqa: E402
 from vmoe_ext.carving.spec import CarveSpec  # noqa: E402
 from vmoe_ext.data import load_dataset  # noqa: E402

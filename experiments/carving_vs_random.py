@@ -43,10 +43,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
 from common import mean_std, parse_seeds_and_root, write_report
-from vmoe_ext.carving.mode import carve_checkpoint
+from vmoe_ext.app.carve import carve_checkpoint
 from vmoe_ext.reporting.writers import read_metrics
 from vmoe_ext.train.config_files import load_config
-from vmoe_ext.train.loop import train_and_evaluate
+from vmoe_ext.app.train import train_and_evaluate
 
 SIZES = {"S1A1E8": 0.25, "S2A2E8": 0.50, "S3A3E8": 0.75}  # -> active ratio
 METHODS = ("cmoe", "random")

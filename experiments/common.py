@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional, Sequence
 from vmoe_ext.evaluate.final import after_training_hook
 from vmoe_ext.reporting.writers import read_metrics
 from vmoe_ext.train.config_files import load_config
-from vmoe_ext.train.loop import train_and_evaluate
+from vmoe_ext.app.train import train_and_evaluate
 
 
 def parse_seeds_and_root(description: str,

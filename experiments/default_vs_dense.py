@@ -20,7 +20,7 @@ import statistics
 from common import mean_std, parse_seeds_and_root, write_report
 from vmoe_ext.reporting.writers import read_metrics
 from vmoe_ext.train.config_files import load_config
-from vmoe_ext.train.loop import train_and_evaluate
+from vmoe_ext.app.train import train_and_evaluate
 
 CONFIGS = ("default", "vit_dense")
 

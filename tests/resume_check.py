@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 import chex
 
-from vmoe_ext.train import loop
+from vmoe_ext.app import train as loop
 
 
 def short_schedule(config: Any, total_steps: int = 6) -> Any:

@@ -18,13 +18,13 @@ from vmoe_ext.carving.spec import CarveSpec, carved_model_config
 from vmoe_ext.errors import ConfigError
 from vmoe_ext.models import build_model
 from vmoe_ext.train import checkpoint_params as ckpt_params
-from vmoe_ext.train import loop
+from vmoe_ext.app import train as loop
 from vmoe_ext.train.checkpoints import CheckpointManager
 from vmoe_ext.train.config_files import load_config
 from vmoe_ext.train.initialization import identity_rules
 from vmoe_ext.train.optimizer import make_optimizer
 from vmoe_ext.train.state import TrainState
-from vmoe_ext.train.validate import validate_config
+from vmoe_ext.app.schema import validate_config
 
 CARVE = dict(num_experts=4, num_shared=1, num_activated=1, every=1,
              activation_markers=3, num_calibration=24, batch_size=16)

@@ -16,13 +16,14 @@ import ml_collections
 import numpy as np
 import pytest
 
-from vmoe_ext.config import CONFIG, REQUIRED, Field, Section, Seq, validate
+from vmoe_ext.app.schema import CONFIG
+from vmoe_ext.config import REQUIRED, Field, Section, Seq, validate
 from vmoe_ext.config.overrides import prepare_overrides
-from vmoe_ext.config.sections import registered
+from vmoe_ext.models.config import registered
 from vmoe_ext.errors import ConfigError
 from vmoe_ext.registry import Registry
 from vmoe_ext.train.config_files import CONFIG_DIR, load_config, load_config_flag
-from vmoe_ext.train.validate import validate_config
+from vmoe_ext.app.schema import validate_config
 
 ROOT = os.path.dirname(CONFIG_DIR)
 
@@ -93,10 +94,10 @@ def test_unknown_field_set_in_a_config_file(tmp_path):
 def test_unknown_override_on_the_command_line():
   with pytest.raises(ConfigError) as info:
     prepare_overrides(_tiny(), ["prog", "--config.model.moe.router.num_selectd=2",
-                              "--workdir=/tmp/x"])
+                              "--workdir=/tmp/x"], CONFIG)
   assert info.value.field == "model.moe.router.num_selectd"
   assert "did you mean 'num_selected'" in str(info.value)
-  prepare_overrides(_tiny(), ["prog", "--config.model.moe.router.num_selected=2"])
+  prepare_overrides(_tiny(), ["prog", "--config.model.moe.router.num_selected=2"], CONFIG)
 
 
 def test_dataset_specific_fields_follow_the_name():

@@ -16,7 +16,7 @@ from vmoe_ext.moe.contract import Assignment, LayerRecord, RoutingContext
 from vmoe_ext.routers import build_router
 from vmoe_ext.routers.top_p import top_p
 from vmoe_ext.train.config_files import load_config
-from vmoe_ext.train.validate import validate_config
+from vmoe_ext.app.schema import validate_config
 
 E, D = 4, 6
 
@@ -233,6 +233,7 @@ def test_router_fields_are_overridable_from_the_command_line():
   clamp" (which ml_collections' typed parser cannot read) all reach the model."""
   from absl import flags as absl_flags
   from ml_collections import config_flags
+  from vmoe_ext.app.schema import CONFIG
   from vmoe_ext.config.overrides import prepare_overrides, take_none_overrides
   config = load_config("acmoe", "swin")
   argv = ["--config.model.moe.router.eps=0.01",
@@ -241,8 +242,8 @@ def test_router_fields_are_overridable_from_the_command_line():
           "--config.model.moe.router.mix_k=2",
           "--config.model.moe.router.dispersion=variance",
           "--config.model.moe.router.base.noise_std=0.5"]
-  prepare_overrides(config, ["prog", *argv])
-  rest = take_none_overrides(config, ["prog", *argv])
+  prepare_overrides(config, ["prog", *argv], CONFIG)
+  rest = take_none_overrides(config, ["prog", *argv], CONFIG)
   assert "--config.model.moe.router.clamp=None" not in rest
   values = absl_flags.FlagValues()
   config_flags.DEFINE_config_dict("config", config, flag_values=values,

@@ -30,6 +30,8 @@ from vmoe_ext.evaluate.corruption_metrics import ALEXNET_ERRORS
 from vmoe_ext.evaluate.datasets import check_datasets, evaluate_datasets
 from vmoe_ext.evaluate.evaluator import Evaluator
 from vmoe_ext.evaluate.imagenet_subsets import IMAGENET_R_CLASSES
+from vmoe_ext.config import validate
+from vmoe_ext.evaluate.config import ROBUSTNESS
 from vmoe_ext.evaluate.robustness import robustness_config
 from vmoe_ext.models import build_model
 from vmoe_ext.reporting.writers import MetricWriter, read_metrics
@@ -358,7 +360,7 @@ def test_ood_class_subset_filters_and_masks(tmp_path, models):
 ])
 def test_dataset_config_errors_name_the_field(datasets, field):
   with pytest.raises(ConfigError) as e:
-    robustness_config({"datasets": datasets})
+    validate(ROBUSTNESS, {"datasets": datasets}, "robustness")
   assert e.value.field == field
 
 
@@ -404,8 +406,8 @@ def test_evaluation_time_errors(tmp_path, models):
 
 
 def test_robustness_cifar10_config_evaluates_a_mock_run(tmp_path):
-  from vmoe_ext.evaluate.from_checkpoint import evaluate_checkpoint
-  from vmoe_ext.train import loop
+  from vmoe_ext.app.evaluate import evaluate_checkpoint
+  from vmoe_ext.app import train as loop
   from vmoe_ext.train.config_files import load_config
 
   data_dir, run, out = (str(tmp_path / d) for d in ("tfds", "run", "eval"))

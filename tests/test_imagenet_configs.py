@@ -26,7 +26,7 @@ from vmoe_ext.errors import ConfigError
 from vmoe_ext.models import build_model
 from vmoe_ext.train.config_files import (CONFIG_DIR, load_config,
                                          load_config_flag)
-from vmoe_ext.train.validate import validate_config
+from vmoe_ext.app.schema import validate_config
 
 MODELS = ("vmoe_s32_every2", "vmoe_s32_last2", "vmoe_s32_every2_ft",
           "vmoe_s32_last2_ft", "soft_s16", "vit_s32")

@@ -318,7 +318,7 @@ def _tiny(moe):
 def test_a_training_run_starts_from_a_dense_run(tmp_path):
   """`init` with the dense->MoE preset: an E=1 V-MoE run starts with the
   dense run's trained logits, exactly; resuming ignores `init`."""
-  from vmoe_ext.train import loop
+  from vmoe_ext.app import train as loop
   dense_dir, moe_dir = str(tmp_path / "dense"), str(tmp_path / "moe")
   loop.train_and_evaluate(_tiny(None), dense_dir)
   dense = loop.setup(_tiny(None), dense_dir)

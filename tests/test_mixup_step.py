@@ -19,7 +19,7 @@ from vmoe_ext.train import loop, steps
 from vmoe_ext.train.config_files import load_config
 from vmoe_ext.train.optimizer import make_optimizer
 from vmoe_ext.train.state import TrainState
-from vmoe_ext.train.validate import validate_config
+from vmoe_ext.app.schema import validate_config
 
 B, CLASSES, LR = 8, 10, 0.5
 MIX_KEY = 0x6d6978  # "mix": folded into the step key for the weights.

@@ -27,7 +27,8 @@ import pytest
 
 from test_train_utils import _read_records
 from tensorboardX.proto import event_pb2
-from vmoe_ext.config import CONFIG, Field, validate
+from vmoe_ext.app.schema import CONFIG
+from vmoe_ext.config import Field, validate
 from vmoe_ext.config.overrides import prepare_overrides
 from vmoe_ext.errors import ConfigError
 from vmoe_ext.models import build_model
@@ -99,7 +100,7 @@ def test_overrides_reach_fields_the_config_lacks_or_holds_as_none():
       "--config.model.moe.router.noise_std=0.5",
       "--config.model.moe.dispatcher=einsum",
       "--config.model.stream.name=plain",
-      "--config.data.image_size=8"])
+      "--config.data.image_size=8"], CONFIG)
   # Typed placeholders (None until the flag parser sets them).
   assert config.model.moe.router.get_ref("noise_std").get_type() is float
   assert config.model.moe.get_ref("dispatcher").get_type() is str
@@ -116,11 +117,11 @@ def test_overrides_reject_unknown_fields_with_their_full_path():
                       ("--config.model.moe.router.nois_std=1",
                        "model.moe.router.nois_std")]:
     with pytest.raises(ConfigError) as e:
-      prepare_overrides(load_config("tiny"), ["prog", flag])
+      prepare_overrides(load_config("tiny"), ["prog", flag], CONFIG)
     assert e.value.field == field
   with pytest.raises(ConfigError, match="did you mean 'noise_std'"):
     prepare_overrides(load_config("tiny"),
-                      ["prog", "--config.model.moe.router.nois_std=1"])
+                      ["prog", "--config.model.moe.router.nois_std=1"], CONFIG)
 
 
 def test_overrides_look_fields_up_with_the_overridden_selector():
@@ -129,7 +130,7 @@ def test_overrides_look_fields_up_with_the_overridden_selector():
   with pytest.raises(ConfigError) as e:
     prepare_overrides(load_config("tiny"), [
         "prog", "--config.model.moe.router.num_selected=2",
-        "--config.model.moe.router.name=expert_choice"])
+        "--config.model.moe.router.name=expert_choice"], CONFIG)
   assert e.value.field == "model.moe.router.num_selected"
 
 

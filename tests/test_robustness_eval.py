@@ -15,8 +15,9 @@ import pytest
 
 from vmoe_ext.data import ArrayDataset, load_dataset
 from vmoe_ext.errors import ConfigError
-from vmoe_ext.evaluate.robustness import (Evaluator, attack_metrics,
-                                          robustness_config)
+from vmoe_ext.config import validate
+from vmoe_ext.evaluate.config import ROBUSTNESS
+from vmoe_ext.evaluate.robustness import Evaluator, attack_metrics
 from vmoe_ext.models import build_model
 from vmoe_ext.train.config_files import CONFIG_DIR, load_config
 
@@ -114,7 +115,7 @@ def test_padding_does_not_count(setup):
 ])
 def test_robustness_config_errors(robustness, field):
   with pytest.raises(ConfigError, match=re.escape(field)):
-    robustness_config(robustness)
+    validate(ROBUSTNESS, robustness, "robustness")
 
 
 def _run(args):

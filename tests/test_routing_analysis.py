@@ -30,7 +30,7 @@ from vmoe_ext.moe.routing import TokenChoiceRouting
 from vmoe_ext.reporting.writers import MetricWriter, read_metrics
 from vmoe_ext.routers.base import Router, RouterOutput
 from vmoe_ext.routers.registry import ROUTERS
-from vmoe_ext.train import loop
+from vmoe_ext.app import train as loop
 from vmoe_ext.train.config_files import load_config
 from vmoe_ext.train.steps import router_state_metrics
 

@@ -40,7 +40,7 @@ _CHILD = textwrap.dedent("""
     from resume_check import short_schedule, straight_vs_resumed
     from vmoe_ext.errors import ConfigError
     from vmoe_ext.sharding.partitioning import Partitioning
-    from vmoe_ext.train import loop
+    from vmoe_ext.app import train as loop
     from vmoe_ext.train.checkpoints import CheckpointManager
     from vmoe_ext.train.config_files import load_config
 
@@ -140,7 +140,7 @@ _CHILD = textwrap.dedent("""
       devices = {d for x in jax.tree.leaves(run.state)
                  for d in x.sharding.device_set}
       assert devices == {jax.devices()[0]}, devices
-      run.train_iter.set_state(extra["data"])
+      run.data.train_iterator().set_state(extra["data"])
       run.save()  # From one device ...
       run.checkpoints.close()
       return {"layout": expert_layout(run.state)}

@@ -35,7 +35,7 @@ from vmoe_ext.data.stream_eval import StreamingEvalSplit  # noqa: E402
 from vmoe_ext.data.stream_iterator import StreamingTrainIterator  # noqa: E402
 from vmoe_ext.errors import ConfigError, InputError  # noqa: E402
 from vmoe_ext.models import build_model  # noqa: E402
-from vmoe_ext.train import loop  # noqa: E402
+from vmoe_ext.app import train as loop  # noqa: E402
 
 
 def eval_data(data_dir, **data):
@@ -200,8 +200,8 @@ def test_training_evaluates_the_whole_streamed_split(data_dir, trained):
   np.testing.assert_allclose(final[0]["loss"], loss, rtol=1e-5)
   assert final[0]["accuracy"] == pytest.approx(accuracy)
   # The in-memory split is the analysis subset of data.analysis_examples.
-  assert len(run.datasets["test"]) == 8
-  assert run.eval_split is not None
+  assert len(run.data.test) == 8
+  assert run.data.local_eval
   routing = [r for r in _records(workdir) if r["split"] == "routing"]
   attacks = [r for r in _records(workdir)
              if r["split"].startswith("adversarial/")]
@@ -239,13 +239,13 @@ def test_carve_mode_calibrates_on_the_streamed_train_split(data_dir,
   dense_test = [r for r in records if r["split"] == "dense_test"][0]
   assert dense_test["num_examples"] == N_VAL
   # The carved checkpoint resumes as a streaming run at the fresh position.
-  from vmoe_ext.carving.mode import carved_config
+  from vmoe_ext.carving.dense_source import carved_config
   target = carved_config(config)
   run = loop.setup(target, str(tmp_path / "carve"))
   assert run.restore() == 0
   run.checkpoints.close()
   fresh = StreamingTrainIterator(target.data, target.seed)
-  np.testing.assert_array_equal(next(run.train_iter)["label"],
+  np.testing.assert_array_equal(next(run.data.train_iterator())["label"],
                                 next(fresh)["label"])
 
 
@@ -256,9 +256,9 @@ def test_carve_mode_on_a_streaming_config_needs_pp_eval(data_dir, tmp_path):
   config.carve = ml_collections.ConfigDict(dict(
       num_experts=4, num_shared=1, num_activated=1, every=1,
       checkpoint_dir=str(tmp_path)))
-  from vmoe_ext.carving import mode
+  from vmoe_ext.app.schema import validate_config
   with pytest.raises(ConfigError) as e:
-    mode._train_split(config.data)
+    validate_config(config)
   assert e.value.field == "data.pp_eval", e.value
 
 
@@ -354,7 +354,7 @@ def test_accuracy_datasets_of_a_streaming_run_go_through_pp_eval(
                                 deterministic=True)[0])
   ctx = eval_datasets._Context(
       Evaluator(model, run.state.variables(), 0.5, 0.5),
-      run.datasets["test"], config.data, batch_size=8)
+      run.data.test, config.data, batch_size=8)
   source = {"tfds_name": "imagenet2012", "split": "validation",
             "max_examples": None}
   reader = ctx.open(source, "robustness.datasets.x.source")

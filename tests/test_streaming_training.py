@@ -25,8 +25,10 @@ from resume_check import straight_vs_resumed  # noqa: E402
 from vmoe_ext.data import loader, tfds_adapter  # noqa: E402
 from vmoe_ext.data.stream_iterator import StreamingTrainIterator  # noqa: E402
 from vmoe_ext.errors import ConfigError  # noqa: E402
-from vmoe_ext.train import loop  # noqa: E402
-from vmoe_ext.train.validate import validate_config  # noqa: E402
+from vmoe_ext.app import train as loop  # noqa: E402
+from vmoe_ext.app.context import resolved  # noqa: E402
+from vmoe_ext.data.source import DataSource  # noqa: E402
+from vmoe_ext.app.schema import validate_config  # noqa: E402
 
 
 def test_streams_end_to_end_without_loading_the_train_split(
@@ -39,15 +41,15 @@ def test_streams_end_to_end_without_loading_the_train_split(
     read_splits.append(split)
     init(self, config, split, **kwargs)
 
-  def forbidden(*args, **kwargs):
-    raise AssertionError("the in-memory path must not be used")
-
   monkeypatch.setattr(tfds_adapter.TfdsReader, "__init__", reader)
-  monkeypatch.setattr(loop, "load_dataset", forbidden)
-  monkeypatch.setattr(loop.TrainIterator, "__init__", forbidden)
   config = stream_config(data_dir)
   config.train.update(dict(total_steps=2, checkpoint_every=2))
-  final = loop.train_and_evaluate(config, str(tmp_path / "run"))
+  resolved_config = resolved(config)
+  source = DataSource(resolved_config.data, resolved_config.seed)
+  final = loop.train_and_evaluate(config, str(tmp_path / "run"), data=source)
+  # No split was loaded in memory: the train batches were streamed.
+  assert not source.in_memory
+  assert isinstance(source.train_iterator(), StreamingTrainIterator)
   assert final["step"] == 2 and final["num_examples"] == N_VAL
   assert np.isfinite(final["loss"])
   assert read_splits == ["validation"]

@@ -24,7 +24,7 @@ from vmoe_ext.routers.symphony_soft import symphony_soft_combine
 from vmoe_ext.train.config_files import load_config
 from vmoe_ext.train.state import TrainState
 from vmoe_ext.train.steps import make_train_step
-from vmoe_ext.train.validate import validate_config
+from vmoe_ext.app.schema import validate_config
 
 E = 4
 

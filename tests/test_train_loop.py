@@ -14,10 +14,14 @@ import numpy as np
 import pytest
 
 from tiny_configs import tiny_cifar10
+from vmoe_ext.app import train as loop
+from vmoe_ext.app.context import RunContext, resolved
+from vmoe_ext.data.source import DataSource
 from vmoe_ext.errors import ConfigError
 from vmoe_ext.reporting.writers import read_metrics
-from vmoe_ext.train import loop
 from vmoe_ext.train.config_files import CONFIG_DIR, load_config
+from vmoe_ext.train.loop import NonFiniteError
+from vmoe_ext.train.steps import make_train_step
 
 ROOT = os.path.dirname(CONFIG_DIR)
 STEPS = 12
@@ -132,20 +136,47 @@ def test_incompatible_checkpoint_in_workdir_is_an_error(straight, tmp_path):
     loop.train_and_evaluate(config, copy)
 
 
-def test_nan_guard_stops_naming_the_step_and_keeps_last_good_checkpoint(
-    tmp_path, monkeypatch):
-  real_next = loop.TrainIterator.__next__
+class _PoisonedBatch:
+  """A training iterator whose 6th batch has non-finite images."""
 
-  def poisoned(self):
-    batch = real_next(self)
-    if self.get_state() == {"epoch": 0, "index": 6 * 32}:  # 6th batch
-      batch = dict(batch, image=np.full_like(batch["image"], np.nan))
+  def __init__(self, inner, value):
+    self.inner, self.value = inner, value
+
+  def __next__(self):
+    batch = next(self.inner)
+    if self.inner.get_state() == {"epoch": 0, "index": 6 * 32}:  # 6th batch
+      batch = dict(batch, image=np.full_like(batch["image"], self.value))
     return batch
 
-  monkeypatch.setattr(loop.TrainIterator, "__next__", poisoned)
+  def get_state(self):
+    return self.inner.get_state()
+
+  def set_state(self, state):
+    self.inner.set_state(state)
+
+
+class _PoisonedSource(DataSource):
+  """The config's data with `_PoisonedBatch` training batches: injected
+  into the run through `train_and_evaluate(data=...)`."""
+
+  def __init__(self, config, value):
+    config = resolved(config)
+    super().__init__(config.data, config.seed)
+    self.value = value
+    self._poisoned = None
+
+  def train_iterator(self):
+    if self._poisoned is None:
+      self._poisoned = _PoisonedBatch(super().train_iterator(), self.value)
+    return self._poisoned
+
+
+def test_nan_guard_stops_naming_the_step_and_keeps_last_good_checkpoint(
+    tmp_path):
   workdir = str(tmp_path / "nan")
-  with pytest.raises(loop.NonFiniteError, match="at step 6"):
-    loop.train_and_evaluate(tiny_config(), workdir)
+  with pytest.raises(NonFiniteError, match="at step 6"):
+    loop.train_and_evaluate(tiny_config(), workdir,
+                            data=_PoisonedSource(tiny_config(), np.nan))
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints")),
                 key=lambda s: (len(s), s))[-1] == "4"
   step, state = restored_state(tiny_config(), workdir)
@@ -153,22 +184,14 @@ def test_nan_guard_stops_naming_the_step_and_keeps_last_good_checkpoint(
   assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(state.params))
 
 
-def test_nan_between_checks_is_named_at_the_next_checkpoint_step(
-    tmp_path, monkeypatch):
+def test_nan_between_checks_is_named_at_the_next_checkpoint_step(tmp_path):
   # Bad 6th batch, no log step before 12: the guard (on the device) is read
   # back before the save of step 8, which must not happen.
-  real_next = loop.TrainIterator.__next__
-
-  def poisoned(self):
-    batch = real_next(self)
-    if self.get_state() == {"epoch": 0, "index": 6 * 32}:
-      batch = dict(batch, image=np.full_like(batch["image"], np.inf))
-    return batch
-
-  monkeypatch.setattr(loop.TrainIterator, "__next__", poisoned)
   workdir = str(tmp_path / "nan")
-  with pytest.raises(loop.NonFiniteError, match=r"at step 6\b.*up to 8"):
-    loop.train_and_evaluate(tiny_config(log_every=12), workdir)
+  with pytest.raises(NonFiniteError, match=r"at step 6\b.*up to 8"):
+    loop.train_and_evaluate(
+        tiny_config(log_every=12), workdir,
+        data=_PoisonedSource(tiny_config(log_every=12), np.inf))
   assert os.listdir(os.path.join(workdir, "checkpoints")) == ["4"]
   assert not [r for r in read_metrics(workdir) if r["step"] > 4]
 
@@ -176,8 +199,8 @@ def test_nan_between_checks_is_named_at_the_next_checkpoint_step(
 def test_train_step_skips_a_non_finite_update_on_the_device(tmp_path):
   run = loop.setup(tiny_config(), str(tmp_path))
   run.checkpoints.close()
-  step_fn = jax.jit(loop.make_train_step(run.model), donate_argnums=0)
-  batch = next(run.train_iter)
+  step_fn = jax.jit(make_train_step(run.model), donate_argnums=0)
+  batch = next(run.data.train_iterator())
   good, _ = step_fn(run.state, batch)
   params = jax.device_get(good.params)
   bad_batch = dict(batch, image=np.full_like(batch["image"], np.nan))
@@ -192,21 +215,21 @@ def test_train_step_skips_a_non_finite_update_on_the_device(tmp_path):
 
 
 def test_evaluating_a_checkpoint_builds_no_optimizer_or_train_iterator(
-    straight, tmp_path, monkeypatch):
+    straight, tmp_path):
   import ml_collections
-  from vmoe_ext.evaluate.from_checkpoint import evaluate_checkpoint
+  from vmoe_ext.app.evaluate import evaluate_checkpoint
   workdir, final = straight
-
-  def forbidden(*args, **kwargs):
-    raise AssertionError("evaluation must not build this")
-
-  monkeypatch.setattr(loop, "make_optimizer", forbidden)
-  monkeypatch.setattr(loop.TrainIterator, "__init__", forbidden)
-  monkeypatch.setattr(loop.TrainState, "create", forbidden)
   config = tiny_config()
   config.robustness = ml_collections.ConfigDict(dict(
       checkpoint_dir=workdir, num_examples=8, attacks=(), sweep=None,
       corruptions=None))
+  # Through the seam: what the evaluate-only mode opens.
+  ctx = RunContext.assemble(config)
+  ctx.open_evaluation(workdir)
+  assert ctx.state.opt_state is None and ctx.checkpoints is None
+  assert not ctx.data.opened_training
+  assert int(ctx.state.step) == STEPS
+  # The mode itself: the training run's final metrics, exactly.
   out = str(tmp_path / "eval")
   assert evaluate_checkpoint(config, out) == final
   (line,) = [r for r in read_metrics(out) if r.get("final")]
@@ -272,7 +295,7 @@ def test_binary_reports_config_errors_cleanly(tmp_path):
 @pytest.mark.parametrize("name", sorted(
     f[:-3] for f in os.listdir(CONFIG_DIR) if f.endswith(".py")))
 def test_every_config_file_validates(name):
-  from vmoe_ext.train.validate import validate_config
+  from vmoe_ext.app.schema import validate_config
   config = load_config(name)
   validate_config(config)
   assert config.optimizer.total_steps == config.train.total_steps

@@ -13,7 +13,7 @@ from vmoe_ext.models import build_model
 from vmoe_ext.train import steps
 from vmoe_ext.train.optimizer import make_optimizer
 from vmoe_ext.train.state import TrainState
-from vmoe_ext.train.validate import validate_config
+from vmoe_ext.app.schema import validate_config
 
 
 def numpy_loss(logits, targets, loss):

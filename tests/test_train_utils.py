@@ -21,6 +21,7 @@ from tensorboardX.crc32c import crc32c
 from tensorboardX.proto import event_pb2
 from test_models import IMAGES, MODELS
 
+from vmoe_ext.config import validate
 from vmoe_ext.errors import ConfigError
 from vmoe_ext.models import build_model
 from vmoe_ext.reporting import writers as writers_lib
@@ -247,16 +248,15 @@ def test_invalid_optimizer_configs_name_the_field(overrides, field):
   if cfg["name"] == "sgd":
     cfg.pop("b1", None)
   with pytest.raises(ConfigError) as info:
-    opt_lib.make_optimizer(cfg)
+    validate(opt_lib.OPTIMIZER, cfg, "optimizer")
   assert info.value.field == field
   assert str(info.value).startswith(field)
-  with pytest.raises(ConfigError):
-    opt_lib.make_learning_rate(cfg)
 
 
 def test_missing_learning_rate_is_an_error():
   with pytest.raises(ConfigError, match="optimizer.learning_rate"):
-    opt_lib.make_optimizer(dict(name="adam", decay="constant"))
+    validate(opt_lib.OPTIMIZER, dict(name="adam", decay="constant"),
+             "optimizer")
 
 
 # --------------------------------------------------------------- checkpoints

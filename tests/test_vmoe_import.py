@@ -256,7 +256,8 @@ def test_the_import_config_evaluates_and_attacks_an_imported_vmoe(tmp_path):
 
   from vmoe_ext import main
   from vmoe_ext.data import default_normalization, eval_batches
-  from vmoe_ext.evaluate.from_checkpoint import load_test_split
+  from vmoe_ext.app.context import resolved
+  from vmoe_ext.data.source import DataSource
   from vmoe_ext.train.config_files import load_config
 
   theirs = _tiny_import_reference_config()
@@ -276,7 +277,7 @@ def test_the_import_config_evaluates_and_attacks_an_imported_vmoe(tmp_path):
   assert "Evaluated the params initialised from" in open(
       os.path.join(workdir, "report.md")).read()
 
-  test = load_test_split(config.data)
+  test = DataSource(resolved(config).data, config.seed).test
   mean, std = default_normalization(config.data)
   correct = total = 0
   for batch in eval_batches(test, 200, mean=mean, std=std):
@@ -305,7 +306,7 @@ def test_import_configs_build_vmoes_paper_models(arg, expected):
   import math
 
   from vmoe_ext.train.config_files import load_config
-  from vmoe_ext.train.validate import validate_config
+  from vmoe_ext.app.schema import validate_config
   config = load_config("vmoe_import", arg)
   validate_config(config)
   model = config.model
