@@ -1,12 +1,15 @@
 """Configuration errors raised before anything is traced or compiled.
 
 Every `ConfigError` names the offending field by its full dotted path as the
-user wrote it (`model.moe.router.num_selected`). Components validate their own
-fields with paths relative to themselves (`num_selected`); whoever builds a
-component from a config section wraps the build in `field_scope("model.moe.
-router")`, which prefixes the path of any `ConfigError` raised inside. Errors
-that are not about the config (a wrong label shape handed to a metric) are
-plain `ValueError`/`TypeError`s, never `ConfigError`s.
+user wrote it (`model.moe.router.num_selected`). A component names its own
+fields with its kind first (`router.num_selected`, `stream.kappa`); whoever
+builds it from a config section wraps the build in `field_scope` of the
+section's parent (`field_scope("model.moe")` for the router), which prefixes
+the path of any `ConfigError` raised inside. A config section's own check
+names fields relative to the section; the schema scopes it with the
+section's path. Errors that are not about the config (a wrong label shape
+handed to a metric) are plain `ValueError`/`TypeError`s, never
+`ConfigError`s.
 """
 
 from __future__ import annotations
@@ -32,10 +35,12 @@ class ConfigError(ValueError):
 def join_path(prefix: str, field: str) -> str:
   """`join_path("model.moe", "router.name") == "model.moe.router.name"`.
 
-  Where the field already starts with the last parts of the prefix they are
-  merged (`join_path("model.moe", "moe.group_size") == "model.moe.group_size"`),
-  so a scope applied twice, or a component that names its own section, does
-  not repeat a part.
+  One rule, no guessing: the prefix, a dot, the field (no dot before a list
+  index: `join_path("robustness.attacks", "[1].eps")`). Who names a field
+  names it relative to what the caller scopes (docs/architecture.md,
+  "Config errors"): a section's check names its own fields (`"workdir"`),
+  a component names its fields with its kind (`"router.num_selected"`,
+  `"stream.kappa"`, `"moe.capacity_factor"`), scoped by its parent section.
   """
   if not prefix:
     return field
@@ -43,11 +48,6 @@ def join_path(prefix: str, field: str) -> str:
     return prefix
   if field.startswith("["):
     return prefix + field
-  head = prefix.split(".")
-  tail = field.split(".")
-  for n in range(min(len(head), len(tail)), 0, -1):
-    if head[-n:] == [t.split("[")[0] for t in tail[:n - 1]] + [tail[n - 1]]:
-      return ".".join(head[:-n] + tail)
   return f"{prefix}.{field}"
 
 

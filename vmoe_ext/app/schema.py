@@ -47,20 +47,19 @@ def _check_mixup(config: Mapping[str, Any]) -> None:
   if mixup is None or not mixup["concentration"]:
     return
   groups = mixup["groups"]
-  resolved = ""
+  resolved = (f"groups=None resolves to jax.device_count() = "
+              f"{jax.device_count()}, vmoe's one group per device")
   if groups is None:
     groups = jax.device_count()
-    resolved = (f" (groups=None resolves to jax.device_count() = {groups}, "
-                "vmoe's one group per device)")
   size = mixup["size"]
   batch = config["data"]["batch_size"]
   require(batch % groups == 0, "train.mixup.groups",
           f"data.batch_size={batch} does not split into {groups} mixing "
-          f"groups of equal size{resolved}")
+          f"groups of equal size ({resolved})")
   require(size <= batch // groups, "train.mixup.size",
           f"{size} examples per mixed example exceed the {batch // groups} "
           f"examples of a mixing group (data.batch_size={batch} / {groups} "
-          f"groups{resolved})")
+          f"groups; {resolved})")
 
 
 def _check_across_sections(config: dict[str, Any]) -> None:

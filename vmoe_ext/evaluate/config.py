@@ -14,7 +14,7 @@ from typing import Any, Mapping
 from vmoe_ext.attacks import ATTACKS, make_attack
 from vmoe_ext.config.schema import (REQUIRED, Field, Section, Seq, Spec,
                                     function_fields, renamed_scope)
-from vmoe_ext.data.corruptions import CORRUPTION_FUNCTIONS
+from vmoe_ext.data.corruptions import CORRUPTION_FUNCTIONS, SEVERITIES
 from vmoe_ext.errors import ConfigError, require
 from vmoe_ext.evaluate.datasets import check_datasets
 
@@ -62,7 +62,7 @@ SWEEP = Section({
 CORRUPTIONS = Section({
     "names": Seq(Field("str", choices=CORRUPTION_FUNCTIONS), None,
                  nullable=True, doc="None: all 15"),
-    "severities": Seq(Field("int", low=1, high=5), (1, 2, 3, 4, 5),
+    "severities": Seq(Field("int", low=1, high=5), SEVERITIES,
                       min_length=1),
     "num_examples": Field("int", None, nullable=True, low=1),
 }, default=None, nullable=True)

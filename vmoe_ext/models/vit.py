@@ -162,7 +162,7 @@ def build_moe_layer(moe: Mapping[str, Any], mlp_dim: int, dropout_rate: float,
                     dtype: Any, activation: str = "gelu",
                     **module_kwargs: Any) -> MoeLayer:
   """The `MoeLayer` described by a filled `moe` config dict."""
-  with field_scope("moe.router"):
+  with field_scope("moe"):  # Routers name their fields "router.*".
     router = ROUTERS.build(moe["router"], num_experts=moe["num_experts"],
                            parent=None)
   return MoeLayer(
@@ -311,8 +311,7 @@ class VisionTransformerMoe(nn.Module):
       with field_scope("moe"):
         layer.router.check_placement(layers)
     stream = dict(self.stream or DEFAULT_STREAM)
-    with field_scope("stream"):
-      STREAMS.build(stream, parent=None).check_placement(layers)
+    STREAMS.build(stream, parent=None).check_placement(layers)
     object.__setattr__(self, "moe", moe)
     object.__setattr__(self, "stream", stream)
     super().__post_init__()

@@ -55,20 +55,20 @@ class AdamSMoE(FirstLayerThenHeavyBall):
   beta1: Optional[float] = None
 
   def __post_init__(self):
-    require(self.form in FORMS, "form",
+    require(self.form in FORMS, "stream.form",
             f"unknown {self.form!r}; use one of {FORMS}")
     if self.form == "paper":
       check_decay(self.mu, "mu")
-      require(self.beta1 is None, "beta1",
+      require(self.beta1 is None, "stream.beta1",
               "only form='code' has a separate first-moment decay; the "
               "paper's first moment decays with mu")
       kappa = 0.0 if self.kappa is None else self.kappa
-      require(isinstance(kappa, (int, float)) and kappa >= 0, "kappa",
+      require(isinstance(kappa, (int, float)) and kappa >= 0, "stream.kappa",
               f"must be >= 0, got {kappa!r}")
     else:
       check_decay(0.9 if self.beta1 is None else self.beta1, "beta1")
       kappa = 1.0 if self.kappa is None else self.kappa
-      require(kappa == 1.0, "kappa",
+      require(kappa == 1.0, "stream.kappa",
               f"the authors' code form has kappa = 1 exactly (the input "
               f"cancels); use form='paper' for another value, got {kappa!r}")
     object.__setattr__(self, "kappa", float(kappa))

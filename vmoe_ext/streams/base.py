@@ -61,7 +61,7 @@ class ResidualStream(nn.Module):
   blocks: str = "moe"
 
   def __post_init__(self):
-    require(self.blocks in BLOCKS, "blocks",
+    require(self.blocks in BLOCKS, "stream.blocks",
             f"must be one of {BLOCKS}, got {self.blocks!r}")
     super().__post_init__()
 

@@ -39,9 +39,9 @@ class ComplexMomentum(MomentumStream):
 
   def __post_init__(self):
     require(isinstance(self.mu_abs, (int, float)) and 0 <= self.mu_abs < 1,
-            "mu_abs", f"must be in [0, 1), got {self.mu_abs!r}")
+            "stream.mu_abs", f"must be in [0, 1), got {self.mu_abs!r}")
     require(isinstance(self.mu_angle, (int, float))
-            and math.isfinite(self.mu_angle), "mu_angle",
+            and math.isfinite(self.mu_angle), "stream.mu_angle",
             f"must be a finite angle in radians, got {self.mu_angle!r}")
     check_positive(self.gamma, "gamma")
     super().__post_init__()

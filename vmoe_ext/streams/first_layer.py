@@ -59,7 +59,7 @@ class FirstLayerThenHeavyBall(MomentumStream):
     if self.block is None:
       return
     first = moe_blocks[0] if moe_blocks else None
-    require(self.block == first, "block",
+    require(self.block == first, "stream.block",
             f"{type(self).__name__} runs in the first MoE layer only (block "
             f"{first}) and heavy-ball after it (paper D.1); got block "
             f"{self.block!r}")

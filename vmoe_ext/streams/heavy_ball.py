@@ -54,12 +54,12 @@ class HeavyBall(MomentumStream):
   learn: str = "none"
 
   def __post_init__(self):
-    require(self.learn in LEARN, "learn",
+    require(self.learn in LEARN, "stream.learn",
             f"unknown {self.learn!r}; use one of {LEARN}")
     check_open_unit(self.mu, "mu")
     if self.learn == "gamma_linear":
       gamma = 0.5 if self.gamma is None else self.gamma
-      require(isinstance(gamma, (int, float)) and 0 < gamma < 1, "gamma",
+      require(isinstance(gamma, (int, float)) and 0 < gamma < 1, "stream.gamma",
               f"the sigmoid step of learn='gamma_linear' starts in (0, 1), "
               f"got {gamma!r}")
     else:

@@ -46,18 +46,22 @@ LAYOUT_BLOCKS = {"paper": "moe", "vmoe_reference": "all"}
 
 def check_open_unit(value: float, field: str, low: float = -1.0) -> None:
   """Requires `low < value < 1` (a fixed momentum coefficient)."""
-  require(isinstance(value, (int, float)) and low < value < 1.0, field,
+  require(isinstance(value, (int, float)) and low < value < 1.0,
+          f"stream.{field}",
           f"must be in ({low:g}, 1), got {value!r}")
 
 
 def check_decay(value: float, field: str) -> None:
   """Requires `0 <= value < 1` (an exponential-moving-average decay)."""
-  require(isinstance(value, (int, float)) and 0.0 <= value < 1.0, field,
+  require(isinstance(value, (int, float)) and 0.0 <= value < 1.0,
+          f"stream.{field}",
           f"must be in [0, 1), got {value!r}")
 
 
 def check_positive(value: float, field: str) -> None:
-  require(isinstance(value, (int, float)) and value > 0, field,
+  """Requires `value > 0`; `field` is the stream's field (named
+  "stream.{field}", as every stream names its fields)."""
+  require(isinstance(value, (int, float)) and value > 0, f"stream.{field}",
           f"must be > 0, got {value!r}")
 
 
@@ -77,10 +81,10 @@ class MomentumStream(ResidualStream):
   shifts_dense_blocks: ClassVar[bool] = False
 
   def __post_init__(self):
-    require(self.layout in LAYOUTS, "layout",
+    require(self.layout in LAYOUTS, "stream.layout",
             f"unknown layout {self.layout!r}; use one of {LAYOUTS}")
     blocks = LAYOUT_BLOCKS[self.layout]
-    require(self.blocks in (None, blocks), "blocks",
+    require(self.blocks in (None, blocks), "stream.blocks",
             f"the {self.layout!r} layout applies the stream to "
             f"blocks={blocks!r}; leave blocks unset (got {self.blocks!r})")
     object.__setattr__(self, "blocks", blocks)

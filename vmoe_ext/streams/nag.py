@@ -41,7 +41,7 @@ class NesterovSMoE(MomentumStream):
   def __post_init__(self):
     check_decay(self.mu, "mu")
     check_positive(self.gamma, "gamma")
-    require(self.lookahead in LOOKAHEADS, "lookahead",
+    require(self.lookahead in LOOKAHEADS, "stream.lookahead",
             f"unknown {self.lookahead!r}; use one of {sorted(LOOKAHEADS)}")
     super().__post_init__()
 

@@ -92,10 +92,10 @@ class RobustMomentum(MomentumStream):
 
   @property
   def coefficients(self) -> RobustCoefficients:
-    require(self.p is None or self.rho is None, "rho",
+    require(self.p is None or self.rho is None, "stream.rho",
             "p and rho are the same hyper-parameter (paper / code name); "
             "set one")
-    require(self.m is None or self.kappa is None, "kappa",
+    require(self.m is None or self.kappa is None, "stream.kappa",
             "k is given either as L/m or as kappa; set one")
     p = 0.2 if self.p is None and self.rho is None else (
         self.p if self.p is not None else self.rho)
@@ -110,6 +110,8 @@ class RobustMomentum(MomentumStream):
       return robust_coefficients(p, k, self.L)
     except ConfigError as e:
       field = {"p": p_field, "kappa": k_field}.get(e.field, e.field)
+      if not field.startswith("stream."):
+        field = f"stream.{field}"
       raise ConfigError(field, e.reason) from None
 
   def dense_shift(self, state: Any) -> Array:

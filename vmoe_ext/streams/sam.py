@@ -38,7 +38,7 @@ class SharpnessAwareSMoE(MomentumStream):
   gamma: float = 1.0
 
   def __post_init__(self):
-    require(isinstance(self.rho, (int, float)) and self.rho >= 0, "rho",
+    require(isinstance(self.rho, (int, float)) and self.rho >= 0, "stream.rho",
             f"must be >= 0, got {self.rho!r}")
     check_positive(self.gamma, "gamma")
     super().__post_init__()

@@ -44,7 +44,7 @@ class TimeVaryingMomentum(MomentumStream):
     check_positive(self.gamma, "gamma")
     require(self.restart_every is None or (
         isinstance(self.restart_every, int) and self.restart_every >= 1),
-            "restart_every",
+            "stream.restart_every",
             f"must be None or a positive integer, got {self.restart_every!r}")
     super().__post_init__()
 

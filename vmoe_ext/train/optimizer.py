@@ -108,7 +108,7 @@ def _real(cfg: Mapping[str, Any], name: str, lo: float,
                          (value < hi if hi_open else value <= hi))
   lo_s = "(" if lo_open else "["
   hi_s = "inf)" if hi is None else (f"{hi})" if hi_open else f"{hi}]")
-  require(lo_ok and hi_ok, _field(name),
+  require(lo_ok and hi_ok, name,
           f"must be a finite number in {lo_s}{lo}, {hi_s}, got {value!r}")
   return float(value)
 
@@ -116,81 +116,85 @@ def _real(cfg: Mapping[str, Any], name: str, lo: float,
 def check_optimizer(cfg: Mapping[str, Any]) -> None:
   """The ranges and combinations of an `optimizer` section (its types are
   checked by the schema first): the `OPTIMIZER` section's check, run once
-  when the config is resolved. `cfg` is the section as the user gave it, so
-  an Adam field set for SGD (or the reverse) is an error."""
-  raw = _to_dict(cfg)
-  cfg = fill_defaults(OPTIMIZER, raw)
+  when the config is resolved. Fields are named relative to the section, as
+  every section check names them."""
+  cfg = fill_defaults(OPTIMIZER, _to_dict(cfg))
   name = cfg.get("name")
-  OPTIMIZERS.check(name)
-  require("learning_rate" in cfg, _field("learning_rate"), "is required")
+  OPTIMIZERS.check(name, field="name")
+  require("learning_rate" in cfg, "learning_rate", "is required")
   _real(cfg, "learning_rate", 0.0)
   decay, warmup, total = cfg["decay"], cfg["warmup_steps"], cfg["total_steps"]
-  require(decay in DECAYS, _field("decay"),
+  require(decay in DECAYS, "decay",
           f"unknown decay {decay!r}; expected one of {DECAYS}")
-  require(_is_int(warmup) and warmup >= 0, _field("warmup_steps"),
+  require(_is_int(warmup) and warmup >= 0, "warmup_steps",
           f"must be an integer >= 0, got {warmup!r}")
   if total is None:
-    require(decay == "constant" and warmup == 0, _field("total_steps"),
+    require(decay == "constant" and warmup == 0, "total_steps",
             f"is required with decay={decay!r} and warmup_steps={warmup}")
   else:
-    require(_is_int(total) and total > 0, _field("total_steps"),
+    require(_is_int(total) and total > 0, "total_steps",
             f"must be a positive integer, got {total!r}")
-    require(warmup <= total, _field("warmup_steps"),
+    require(warmup <= total, "warmup_steps",
             f"warmup_steps={warmup} exceeds total_steps={total}")
   _real(cfg, "end_learning_rate", 0.0, float(cfg["learning_rate"]))
-  adam_only, sgd_only = ("b1", "b2", "eps"), ("momentum", "nesterov")
-  if name == "sgd":
-    for key in adam_only:
-      require(key not in raw, _field(key), f"is an Adam field; optimizer "
-              f"'sgd' does not use it")
+  if name == "sgd":  # The schema rejects Adam's fields for SGD and back.
     momentum = _real(cfg, "momentum", 0.0, 1.0, hi_open=True)
-    require(not cfg["nesterov"] or momentum > 0, _field("nesterov"),
+    require(not cfg["nesterov"] or momentum > 0, "nesterov",
             "needs momentum > 0")
   else:
-    for key in sgd_only:
-      require(key not in raw, _field(key), f"is an SGD field; optimizer "
-              f"{name!r} does not use it")
     _real(cfg, "b1", 0.0, 1.0, hi_open=True)
     _real(cfg, "b2", 0.0, 1.0, hi_open=True)
     _real(cfg, "eps", 0.0)
   weight_decay = _real(cfg, "weight_decay", 0.0)
-  require(name != "adam" or weight_decay == 0.0, _field("weight_decay"),
+  require(name != "adam" or weight_decay == 0.0, "weight_decay",
           "optimizer 'adam' takes no weight decay; use name='adamw' for "
           "decoupled weight decay")
   mask = cfg["weight_decay_mask"]
-  require(mask in MASKS, _field("weight_decay_mask"),
+  require(mask in MASKS, "weight_decay_mask",
           f"unknown mask {mask!r}; expected one of {MASKS}")
   clip = cfg["clip_global_norm"]
   require(clip is None or (_is_real(clip) and clip >= 0),
-          _field("clip_global_norm"),
+          "clip_global_norm",
           f"must be None or a finite number >= 0, got {clip!r}")
   for i, pattern in enumerate(cfg["frozen"] or ()):
     try:
       re.compile(pattern)
     except (re.error, TypeError) as e:
-      raise ConfigError(_field(f"frozen[{i}]"),
+      raise ConfigError(f"frozen[{i}]",
                         f"invalid regex {pattern!r}: {e}") from e
 
 
-OPTIMIZER = Section({
+_COMMON_FIELDS = {
     "name": Field("str", REQUIRED, choices=OPTIMIZERS),
     "learning_rate": Field("float", REQUIRED, doc="peak, >= 0"),
     "warmup_steps": Field("int", 0),
     "decay": Field("str", "cosine", doc=f"one of {DECAYS}"),
     "total_steps": Field("int", None, nullable=True),
     "end_learning_rate": Field("float", 0.0),
-    "b1": Field("float", 0.9),
-    "b2": Field("float", 0.999),
-    "eps": Field("float", 1e-8),
-    "momentum": Field("float", 0.0),
-    "nesterov": Field("bool", False),
     "weight_decay": Field("float", 0.0),
     "weight_decay_mask": Field("str", "no_bias_norm"),
     "clip_global_norm": Field("float", None, nullable=True),
     "frozen": Seq(Field("str"), (), doc="regexes of params never updated"),
-}, check=check_optimizer,
+}
+_ADAM_FIELDS = {"b1": Field("float", 0.9), "b2": Field("float", 0.999),
+                "eps": Field("float", 1e-8)}
+_SGD_FIELDS = {"momentum": Field("float", 0.0),
+               "nesterov": Field("bool", False)}
+
+
+def _optimizer_fields(value: Mapping[str, Any]) -> dict[str, Any]:
+  """The common fields, and Adam's moments or SGD's momentum by `name`
+  (both sets while the name is unknown, so that `check_optimizer` names
+  a field of the other optimizer as such)."""
+  name = value.get("name")
+  extra = ({**_ADAM_FIELDS, **_SGD_FIELDS} if name not in OPTIMIZERS
+           else _SGD_FIELDS if name == "sgd" else _ADAM_FIELDS)
+  return {**_COMMON_FIELDS, **extra}
+
+
+OPTIMIZER = Section(_optimizer_fields, check=check_optimizer,
                     doc="the optimizer and its schedule (module docstring)")
-FIELDS = tuple(OPTIMIZER.fields)
+FIELDS = (*_COMMON_FIELDS, *_ADAM_FIELDS, *_SGD_FIELDS)
 
 
 def _settings(config: Any) -> dict[str, Any]:
@@ -200,7 +204,8 @@ def _settings(config: Any) -> dict[str, Any]:
   out = dict(cfg)
   for key in ("learning_rate", "end_learning_rate", "weight_decay", "b1",
               "b2", "eps", "momentum"):
-    out[key] = float(cfg[key])
+    if key in cfg:
+      out[key] = float(cfg[key])
   out["warmup_steps"] = int(cfg["warmup_steps"])
   clip = cfg["clip_global_norm"]
   out["clip_global_norm"] = float(clip) if clip else None
