@@ -5,11 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from vmoe_ext.config.schema import Field, Section, Seq
+from vmoe_ext.config.schema import Field, Section, Seq, renamed_scope
 from vmoe_ext.sharding.mesh import DEFAULTS, check_layout, sharding_config
 
 def _check_sharding(value: dict[str, Any]) -> None:
-  check_layout(sharding_config(value))
+  # `check_layout` names the fields "sharding.*" (it also checks meshes
+  # made without a config); the section check names them relative to it.
+  with renamed_scope("sharding", ""):
+    check_layout(sharding_config(value))
 
 
 SHARDING = Section({
