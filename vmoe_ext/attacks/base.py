@@ -34,6 +34,7 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 
+from vmoe_ext import classification
 from vmoe_ext.errors import check, require
 
 Array = jax.Array
@@ -45,10 +46,10 @@ NORM_FLOOR = 1e-12
 
 
 def cross_entropy(logits: Array, labels: Array) -> Array:
-  """Per-example softmax cross-entropy `[B]`; logits `[B, C]`, labels `[B]`."""
-  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-  return -jnp.take_along_axis(logp, labels[:, None].astype(jnp.int32),
-                              axis=-1)[:, 0]
+  """Per-example softmax cross-entropy `[B]` in float32; logits `[B, C]`,
+  labels `[B]`: the framework's one cross-entropy
+  (`vmoe_ext.classification.cross_entropy`) of the float32 logits."""
+  return classification.cross_entropy(logits.astype(jnp.float32), labels)
 
 
 def split_output(out: Any, include_auxiliary_loss: bool
@@ -87,8 +88,8 @@ def margin_loss(logits: Array, labels: Array) -> Array:
 
 def is_success(logits: Array, labels: Array, targeted: bool) -> Array:
   """`[B]` bool: misclassified (untargeted) or classified as the target."""
-  pred = jnp.argmax(logits, axis=-1)
-  return pred == labels if targeted else pred != labels
+  correct = classification.topk_correct(logits, labels, 1)  # argmax == y
+  return correct if targeted else ~correct
 
 
 def per_example_norm(x: Array, norm: str) -> Array:

@@ -1,13 +1,15 @@
 """`Evaluator`: one trained model as jitted functions of raw [0, 1] images.
 
 The model sees its inputs normalised with the training data's statistics
-inside `logits_fn`, so attacks and corruptions work in raw pixel units. It
-always runs deterministically (no router noise, no dropout).
+inside the jitted functions, so attacks and corruptions work in raw pixel
+units. It always runs deterministically (no router noise, no dropout).
 
-With a `partitioning` (the run's mesh; needed in a multi-process job, where
-every process holds the same host images) the inputs of `forward` and of
-the attacks become global arrays split over the batch
-(`Partitioning.global_from_full`) and their outputs come back replicated,
+Built on the one evaluation forward pass, `vmoe_ext.train.forward.Forward`:
+one jit and one global-array path for the clean forward, the attacks and
+everything that predicts through `predict` (corruptions, evaluation
+datasets). With a `partitioning` (the run's mesh; needed in a multi-process
+job, where every process holds the same host images) the inputs become
+global arrays split over the batch and the outputs come back replicated,
 readable on every process. Without it the functions are plain `jax.jit`s.
 """
 
@@ -22,11 +24,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from vmoe_ext.attacks import make_attack
+from vmoe_ext.classification import topk_correct
 from vmoe_ext.data import ArrayDataset
 from vmoe_ext.data.readers import (ArrayReader, ExampleReader,
                                    reader_batches)
 from vmoe_ext.reporting.writers import progress_bar
 from vmoe_ext.sharding.partitioning import Partitioning
+from vmoe_ext.train.forward import Forward
 
 Array = jax.Array
 
@@ -39,61 +43,30 @@ class Evaluator:
                partitioning: Optional[Partitioning] = None):
     self.model = model
     self.variables = variables
-    self.mean = jnp.asarray(mean, jnp.float32)
-    self.std = jnp.asarray(std, jnp.float32)
     self.partitioning = partitioning
-    self._forward = self._jit(self._forward_with_routing)
+    self.fwd = Forward(model, mean=mean, std=std, partitioning=partitioning)
+    self.mean, self.std = self.fwd.mean, self.fwd.std
+    # The jitted functions take the variables as an argument: a
+    # multi-process job's arrays (expert weights split over processes)
+    # cannot be closed over.
+    self._forward = self.fwd.jit(self._forward_with_routing)
     self._attacks: dict[str, Callable] = {}
 
-  def _jit(self, fn: Callable) -> Callable:
-    """`jax.jit(fn)` of `fn(variables, *arrays)`; with a partitioning the
-    arrays are made global (typed PRNG keys replicated), the variables (the
-    run's global arrays) passed as they are, and the outputs replicated."""
-    if self.partitioning is None:
-      return jax.jit(fn)
-    part = self.partitioning
-    jitted = jax.jit(fn, out_shardings=part.replicated)
-
-    def to_global(x):
-      if isinstance(x, jax.core.Tracer):
-        return x
-      if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        # Already global (an attack's replicated output): split like the
-        # host inputs, so the forward compiles once.
-        return jax.device_put(x, part.sharding_of(x.shape))
-      return part.global_from_full(x)
-
-    return lambda variables, *args: jitted(variables, *map(to_global, args))
-
   def logits_fn(self, x: Array) -> Array:
-    """Deterministic logits of raw images `[B, H, W, C]` in [0, 1]."""
-    return self._logits(self.variables, x)
+    """Deterministic logits of raw images `[B, H, W, C]` in [0, 1] (not
+    jitted: for use inside a caller's trace)."""
+    return self.fwd.logits(self.variables, x)
 
   def logits_and_aux_fn(self, x: Array) -> tuple[Array, Array]:
     """`(logits, metrics["auxiliary_loss"])` of one deterministic call: the
-    `logits_fn` of attacks with `include_auxiliary_loss=True`."""
-    return self._logits_and_aux(self.variables, x)
-
-  # The jitted functions take the variables as an argument: a multi-process
-  # job's arrays (expert weights split over processes) cannot be closed over.
-  def _logits(self, variables: Mapping[str, Any], x: Array) -> Array:
-    return self.model.apply(variables, (x - self.mean) / self.std,
-                            deterministic=True)[0]
-
-  def _logits_and_aux(self, variables: Mapping[str, Any],
-                      x: Array) -> tuple[Array, Array]:
-    logits, metrics = self.model.apply(
-        variables, (x - self.mean) / self.std, deterministic=True)
-    return logits, metrics["auxiliary_loss"]
+    `logits_fn` of attacks with `include_auxiliary_loss=True` (not
+    jitted)."""
+    return self.fwd.logits_and_aux(self.variables, x)
 
   def _forward_with_routing(self, variables: Mapping[str, Any], x: Array):
-    (logits, _), state = self.model.apply(
-        variables, (x - self.mean) / self.std, deterministic=True,
-        mutable=["intermediates"])
-    masks = {name: block["Moe"]["expert_mask"][0]
-             for name, block in state.get("intermediates", {}).items()
-             if "Moe" in block}
-    return logits, masks
+    out = self.fwd.apply(variables, x, intermediates=True)
+    return out.logits, {block: sown["expert_mask"]
+                        for block, sown in out.moe.items()}
 
   def forward(self, x: Array):
     """`(logits [B, classes], {block name: expert_mask [B, T, E]})`."""
@@ -105,9 +78,9 @@ class Evaluator:
     key = repr(sorted(attack_config.items()))
     if key not in self._attacks:
       attack = make_attack(dict(attack_config))
-      fn = (self._logits_and_aux
-            if attack_config.get("include_auxiliary_loss") else self._logits)
-      jitted = self._jit(lambda variables, x, y, k: attack(
+      fn = (self.fwd.logits_and_aux
+            if attack_config.get("include_auxiliary_loss") else self.fwd.logits)
+      jitted = self.fwd.jit(lambda variables, x, y, k: attack(
           functools.partial(fn, variables), x, y, k))
       self._attacks[key] = lambda x, y, k: jitted(self.variables, x, y, k)
     return self._attacks[key]
@@ -140,4 +113,5 @@ def clean_accuracy(evaluator: Evaluator, dataset: ArrayDataset,
                    batch_size: int) -> float:
   """Top-1 accuracy of `evaluator` on every example of `dataset`."""
   logits, labels = evaluator.predict(ArrayReader(dataset), batch_size)
-  return float(np.mean(logits.argmax(-1) == labels)) if len(labels) else 0.0
+  return (float(np.mean(topk_correct(logits, labels, 1))) if len(labels)
+          else 0.0)

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from vmoe_ext.classification import topk_correct
 from vmoe_ext.errors import InputError
 
 ArrayLike = Any  # numpy array, jax array or nested sequence.
@@ -61,7 +62,8 @@ def topk_accuracy(logits: ArrayLike, labels: ArrayLike, k: int = 1,
                   mask: ArrayLike | None = None) -> float:
   """Fraction of examples whose label is among the top-k logits.
 
-  Ties are broken towards the lower class index (as `argmax` does), so
+  Ranked by `vmoe_ext.classification.topk_correct`: ties are broken
+  towards the lower class index and NaN ranks first (as `argmax` does), so
   `topk_accuracy(logits, labels, 1) == mean(argmax(logits, -1) == labels)`.
 
   Args:
@@ -80,12 +82,7 @@ def topk_accuracy(logits: ArrayLike, labels: ArrayLike, k: int = 1,
   _check(np.issubdtype(labels.dtype, np.integer)
          and (n == 0 or (labels.min() >= 0 and labels.max() < c)),
          "labels", f"must be integer class indices in [0, {c})")
-  label_logit = np.take_along_axis(logits, labels[:, None], axis=1)  # [N, 1]
-  classes = np.arange(c)[None, :]
-  # Rank of the label: classes strictly better, plus equal ones listed first.
-  ahead = (logits > label_logit) | ((logits == label_logit)
-                                    & (classes < labels[:, None]))
-  correct = (ahead.sum(axis=1) < k).astype(np.float64)
+  correct = topk_correct(logits, labels, k).astype(np.float64)
   return _weighted_mean(correct, mask, "mask")
 
 

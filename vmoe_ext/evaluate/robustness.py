@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from vmoe_ext.classification import topk_correct
 from vmoe_ext.data import ArrayDataset, default_normalization, eval_batches
 from vmoe_ext.data.corruptions import CORRUPTIONS, corrupt
 from vmoe_ext.errors import require
@@ -101,11 +102,12 @@ def attack_metrics(evaluator: Evaluator, dataset: ArrayDataset,
       logits_adv, masks_adv = jax.device_get(evaluator.forward(x_adv))
       n = float(mask.sum())
       pred, pred_adv = logits.argmax(-1), logits_adv.argmax(-1)
-      top5 = np.argsort(-logits_adv, -1)[:, :5]
-      _accumulate(total, "clean_accuracy", np.mean((pred == y)[mask]), n)
-      _accumulate(total, "accuracy", np.mean((pred_adv == y)[mask]), n)
+      _accumulate(total, "clean_accuracy",
+                  np.mean(topk_correct(logits, y, 1)[mask]), n)
+      _accumulate(total, "accuracy",
+                  np.mean(topk_correct(logits_adv, y, 1)[mask]), n)
       _accumulate(total, "top5_accuracy",
-                  np.mean(np.any(top5 == y[:, None], -1)[mask]), n)
+                  np.mean(topk_correct(logits_adv, y, 5)[mask]), n)
       _accumulate(total, "prediction_change_rate",
                   np.mean((pred != pred_adv)[mask]), n)
       for block, m in masks.items():

@@ -42,6 +42,7 @@ from vmoe_ext.evaluate.metrics import (layer_mean_std,
                                        router_instability_from_counts)
 from vmoe_ext.naming import block_index, metric_key_of
 from vmoe_ext.sharding.partitioning import Partitioning
+from vmoe_ext.train.forward import Forward
 
 Array = jax.Array
 MAP_IMAGES = 8        # images in expert_maps.png
@@ -76,44 +77,29 @@ def make_routing_forward(model: nn.Module,
   `top1` `[B, T]` int32, `samples` `[k, D]` float32 (the MoE inputs of the
   flat token positions `sample_index` of `[B * T]`).
 
-  With a `partitioning` (a multi-process job: every process passes the same
-  host arrays) images and mask become global arrays split over the batch,
-  the sample index is replicated, and the outputs come back replicated."""
+  One `vmoe_ext.train.forward.Forward` pass (images as the pipeline
+  normalised them) and its jit: with a `partitioning` (a multi-process job:
+  every process passes the same host arrays) images and mask become global
+  arrays split over the batch, the sample index is replicated, and the
+  outputs come back replicated."""
+  fwd = Forward(model, partitioning=partitioning)
 
   def forward(variables, images, example_mask, sample_index):
-    _, state = model.apply(variables, images, deterministic=True,
-                           mutable=["intermediates"])
     out = {}
-    for block, sown in state.get("intermediates", {}).items():
-      moe = sown.get("Moe", {}) if isinstance(sown, Mapping) else {}
-      if "expert_mask" not in moe:
-        continue
-      mask = moe["expert_mask"][0]
-      x = moe["moe_input"][0]
+    for block, moe in fwd.apply(variables, images,
+                                intermediates=True).moe.items():
+      mask = moe["expert_mask"]
+      x = moe["moe_input"]
       b, t, d = x.shape
       out[metric_key_of(block)] = {
           "assignments": jnp.sum(mask & example_mask[:, None, None],
                                  axis=(0, 1), dtype=jnp.int32),
-          "top1": top1_experts(mask, moe["selected_experts"][0]),
+          "top1": top1_experts(mask, moe["selected_experts"]),
           "samples": x.reshape(b * t, d)[sample_index].astype(jnp.float32),
       }
     return out
 
-  if partitioning is None:
-    return jax.jit(forward)
-  part = partitioning
-  jitted = jax.jit(forward, out_shardings=part.replicated)
-
-  def put(x: Any, split: bool = True) -> Any:
-    if not isinstance(x, np.ndarray):
-      return x  # A tracer (`jax.eval_shape`) or already a jax array.
-    return part.global_from_full(x, split)
-
-  def global_forward(variables, images, example_mask, sample_index):
-    return jitted(variables, put(images), put(example_mask),
-                  put(sample_index, split=False))
-
-  return global_forward
+  return fwd.jit(forward, replicated=(2,))  # sample_index
 
 
 class RoutingCounts:

@@ -12,12 +12,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from vmoe_ext.classification import (cross_entropy, soft_targets,
+                                     topk_correct)
 from vmoe_ext.data.mixup import check_config, mixup_jax
 from vmoe_ext.moe.contract import ROUTER_STATE
 from vmoe_ext.naming import (METRIC_PREFIX, PARAM_PATTERN,
                                     metric_key_of)
-from vmoe_ext.moe.select import partitionable_top_k
 from vmoe_ext.reporting.writers import MAX_ARRAY_SIZE
+from vmoe_ext.train.forward import forward_pass
 from vmoe_ext.train.state import TrainState
 
 Array = jax.Array
@@ -28,36 +30,8 @@ ROUTING_METRICS = ("drop_rate", "expert_load", "importance_loss", "load_loss",
                    "auxiliary_loss")
 
 
-def soft_targets(labels: Array, num_classes: int,
-                 label_smoothing: float = 0.0) -> Array:
-  """Targets `[B, classes]`: one-hot of integer labels `[B]` (soft targets
-  `[B, classes]` are taken as they are), label-smoothed by
-  `optax.smooth_labels` when `label_smoothing` > 0."""
-  targets = (labels if labels.ndim == 2
-             else jax.nn.one_hot(labels, num_classes))
-  if label_smoothing:
-    targets = optax.smooth_labels(targets, label_smoothing)
-  return targets
-
-
 # `train.loss`: vmoe's `get_loss_fn` names.
 LOSSES = ("softmax_xent", "sigmoid_xent")
-
-
-def cross_entropy(logits: Array, labels: Array,
-                  label_smoothing: float = 0.0,
-                  loss: str = "softmax_xent") -> Array:
-  """Per-example loss `[B]` against integer labels `[B]` or soft targets
-  `[B, classes]` (e.g. mixed), with optional label smoothing (see
-  `soft_targets`): "softmax_xent" `-sum_c t_c log softmax(z)_c`, or vmoe's
-  "sigmoid_xent" `sum_c BCE(sigmoid(z_c), t_c)` (one binary classifier per
-  class, summed over the classes, as vmoe trains on ImageNet)."""
-  targets = soft_targets(labels, logits.shape[-1], label_smoothing)
-  if loss == "sigmoid_xent":
-    return jnp.sum(optax.sigmoid_binary_cross_entropy(logits, targets), -1)
-  if loss != "softmax_xent":
-    raise ValueError(f"unknown loss {loss!r}; expected one of {LOSSES}")
-  return optax.softmax_cross_entropy(logits, targets)
 
 
 # Folded into the step key (`jax.random.fold_in`) for the mixup weights:
@@ -204,7 +178,7 @@ def make_train_step(model: nn.Module, *, label_smoothing: float = 0.0,
         "loss": loss,
         "cross_entropy": ce,
         "auxiliary_loss": metrics["auxiliary_loss"],
-        "accuracy": jnp.mean(jnp.argmax(logits, -1) == batch["label"]),
+        "accuracy": jnp.mean(topk_correct(logits, batch["label"], 1)),
         "grad_norm": grad_norm,
         **routing_summary(metrics),
     }
@@ -226,17 +200,14 @@ def make_eval_step(model: nn.Module, loss_type: str = "softmax_xent"
   """
 
   def eval_step(state: TrainState, batch: Batch) -> dict:
-    logits, metrics = model.apply(state.variables(), batch["image"],
-                                  deterministic=True)
+    logits, metrics, _ = forward_pass(model, state.variables(),
+                                      batch["image"])
     mask = batch["mask"].astype(jnp.float32)
     labels = batch["label"]
-    k = min(5, logits.shape[-1])
-    topk = partitionable_top_k(logits, k)[1]  # Split over the batch.
-    in_top5 = jnp.any(topk == labels[:, None], axis=-1)
     return {
         "count": jnp.sum(mask),
-        "correct_top1": jnp.sum(mask * (jnp.argmax(logits, -1) == labels)),
-        "correct_top5": jnp.sum(mask * in_top5),
+        "correct_top1": jnp.sum(mask * topk_correct(logits, labels, 1)),
+        "correct_top5": jnp.sum(mask * topk_correct(logits, labels, 5)),
         "loss": jnp.sum(mask * cross_entropy(logits, labels,
                                              loss=loss_type)),
         # The load loss is only defined with router noise (training).

@@ -1,0 +1,166 @@
+"""The deterministic forward pass of evaluation: one definition, one jit,
+one global-array path.
+
+Every evaluation of a trained model calls it through `Forward`:
+
+* the eval step (`steps.make_eval_step`: `forward_pass`; its caller jits
+  it with the state's shardings, `Partitioning.jit_eval_step`);
+* the routing analysis (`vmoe_ext.evaluate.routing_analysis`);
+* `vmoe_ext.evaluate.Evaluator`, and through it the clean accuracy, the
+  attacks, the corruptions and the evaluation datasets.
+
+    fwd = Forward(model, mean=0.5, std=0.25, partitioning=part)
+    out = fwd.apply(variables, images, intermediates=True)   # traceable
+    fn = fwd.jit(lambda variables, x, idx: ..., replicated=(1,))
+    result = fn(variables, host_images, host_index)
+
+The model always runs deterministically (no router noise, no dropout) and
+never updates its router state. With `mean`/`std` it takes raw images and
+normalises them first (`(x - mean) / std`, inside the jitted function), so
+attacks and corruptions work in pixel units; without, images as the data
+pipeline normalised them.
+
+`jit`: with `partitioning=None` (one device, or a single process that
+lets jax place the arrays) a plain `jax.jit`. With the run's
+`Partitioning` (needed in a multi-process job, where every process holds
+the same host arrays) each array argument becomes a global array split over
+the batch (`Partitioning.global_from_full`; replicated when its rows do not
+divide over the devices, when its position is in `replicated`, and for
+typed PRNG keys), an array already global (another jitted function's
+replicated output) is re-split the same way so the function compiles once,
+the variables (the run's global arrays) are passed as they are, and the
+outputs come back replicated, readable on every process.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from vmoe_ext.sharding.partitioning import Partitioning
+
+Array = jax.Array
+# What each MoE layer sows (`vmoe_ext.moe.layer`), per block.
+INTERMEDIATES = "intermediates"
+
+
+class ForwardOutput(NamedTuple):
+  """One deterministic forward pass.
+
+  Attributes:
+    logits: `[B, classes]`.
+    metrics: the model's metrics (`auxiliary_loss`, `layer_i/...`).
+    moe: `{block name: {name: value}}` of what every MoE layer sowed
+      (`expert_mask [B, T, E]`, `selected_experts [B, T, K]`,
+      `moe_input [B, T, D]`); empty unless `intermediates=True`.
+  """
+  logits: Array
+  metrics: Mapping[str, Any]
+  moe: Mapping[str, Mapping[str, Array]]
+
+
+def moe_intermediates(sown: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+  """`{block: {name: value}}` of the MoE layers' sown intermediates
+  (`intermediates[block]["Moe"][name][0]`); blocks without an expert mask
+  (dense blocks) are left out."""
+  out = {}
+  for block, values in sown.items():
+    moe = values.get("Moe", {}) if isinstance(values, Mapping) else {}
+    if "expert_mask" in moe:
+      out[block] = {name: value[0] for name, value in moe.items()
+                    if isinstance(value, tuple)}
+  return out
+
+
+def forward_pass(model: nn.Module, variables: Mapping[str, Any],
+                 images: Array, *, intermediates: bool = False
+                 ) -> ForwardOutput:
+  """`model.apply(variables, images, deterministic=True)` as a
+  `ForwardOutput` (traceable); `intermediates`: also what the MoE layers
+  sow (`ForwardOutput.moe`)."""
+  if not intermediates:
+    logits, metrics = model.apply(variables, images, deterministic=True)
+    return ForwardOutput(logits, metrics, {})
+  (logits, metrics), state = model.apply(
+      variables, images, deterministic=True, mutable=[INTERMEDIATES])
+  return ForwardOutput(logits, metrics,
+                       moe_intermediates(state.get(INTERMEDIATES, {})))
+
+
+class Forward:
+  """A model's evaluation forward pass, and the jit of functions of it.
+
+  Args:
+    model: the (Flax) model; called as `model.apply(variables, images,
+      deterministic=True)`, returning `(logits, metrics)`.
+    mean, std: when given, `apply` takes raw images and normalises them
+      (`(x - mean) / std`, float32); None: images already normalised.
+    partitioning: the run's mesh for `jit` (see the module docstring);
+      None: one device.
+  """
+
+  def __init__(self, model: nn.Module, *, mean: Any = None, std: Any = None,
+               partitioning: Optional[Partitioning] = None):
+    if (mean is None) != (std is None):
+      raise ValueError("give both mean and std, or neither")
+    self.model = model
+    self.mean = None if mean is None else jnp.asarray(mean, jnp.float32)
+    self.std = None if std is None else jnp.asarray(std, jnp.float32)
+    self.partitioning = partitioning
+
+  def normalize(self, images: Array) -> Array:
+    """What the model sees of `images`."""
+    if self.mean is None:
+      return images
+    return (images - self.mean) / self.std
+
+  def apply(self, variables: Mapping[str, Any], images: Array, *,
+            intermediates: bool = False) -> ForwardOutput:
+    """The deterministic forward pass of (raw, with `mean`/`std`) images
+    (traceable; see `forward_pass`)."""
+    return forward_pass(self.model, variables, self.normalize(images),
+                        intermediates=intermediates)
+
+  def logits(self, variables: Mapping[str, Any], images: Array) -> Array:
+    """`apply(...).logits`: an attack's `logits_fn` once `variables` are
+    bound."""
+    return self.apply(variables, images).logits
+
+  def logits_and_aux(self, variables: Mapping[str, Any],
+                     images: Array) -> tuple[Array, Array]:
+    """`(logits, metrics["auxiliary_loss"])` of one pass: the `logits_fn` of
+    attacks with `include_auxiliary_loss=True`."""
+    out = self.apply(variables, images)
+    return out.logits, out.metrics["auxiliary_loss"]
+
+  def jit(self, fn: Callable[..., Any], *, replicated: Sequence[int] = ()
+          ) -> Callable[..., Any]:
+    """`fn(variables, *arrays)` jitted, called the same way (see the module
+    docstring for the global-array path). `replicated`: positions in
+    `arrays` (0 = the first array after the variables) that are never split
+    (e.g. an index vector into the flattened batch)."""
+    if self.partitioning is None:
+      return jax.jit(fn)
+    part = self.partitioning
+    jitted = jax.jit(fn, out_shardings=part.replicated)
+    keep = frozenset(replicated)
+
+    def to_global(x: Any, split: bool) -> Any:
+      if isinstance(x, jax.core.Tracer):
+        return x  # Inside a trace (`jax.eval_shape`, an enclosing jit).
+      if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return jax.device_put(x, part.sharding_of(x.shape, split))
+      return part.global_from_full(x, split)
+
+    def global_fn(variables, *arrays):
+      return jitted(variables, *(to_global(x, i not in keep)
+                                 for i, x in enumerate(arrays)))
+
+    return global_fn
+
+
+__all__ = ["Forward", "ForwardOutput", "INTERMEDIATES", "forward_pass",
+           "moe_intermediates"]
