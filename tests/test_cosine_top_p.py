@@ -11,6 +11,7 @@ import pytest
 import naive
 from resume_check import short_schedule, straight_vs_resumed
 from vmoe_ext.errors import ConfigError
+from vmoe_ext.models import build_model
 from vmoe_ext.moe import MoeLayer
 from vmoe_ext.moe.contract import Assignment, LayerRecord, RoutingContext
 from vmoe_ext.routers import build_router
@@ -149,15 +150,78 @@ def test_new_routers_agree_through_both_dispatchers(rng, name):
   assert np.abs(outs[0][0]).sum() > 0
 
 
-CONFIGS = [("xmoe", None), ("acmoe", None), ("acmoe", "language"),
-           ("acmoe", "swin"), ("acmoe_soft", None), ("top_p", None),
-           ("top_p", "learnable"), ("acmoe_top_p", None),
-           ("acmoe_top_p", "learnable")]
+# What each config file documents, written out by hand for the default
+# backbone (MoE in blocks 1 and 3, width 64, 4 experts; MNIST 28x28): the
+# router's fields and the parameter shapes its router builds. X-MoE: R = 16,
+# learnable temperature from 0.07, no noise; ACMoE wraps a base router
+# ("base"): V-MoE noisy top-2 (paper, swin: a linear [64, 4] gate) or
+# cosine_lm (expert embeddings [4, 64]); SoftMoE: 4 slots per expert
+# ([64, 4, 4] and a scalar scale); top-p: p = 0.8 / E = 0.2, at most 3
+# experts, a learnable scalar p only with "learnable".
+_LINEAR = {"logits": {"dense": {"kernel": (64, 4)}}}
+_TOP_P = dict(name="top_p", num_selected=3, threshold=0.8 / 4,
+              load_loss_weight=0.0)
+CONFIGS = {
+    ("xmoe", None): (
+        dict(name="cosine", num_selected=2, projection_dim=16,
+             temperature=0.07, learnable_temperature=True, noise_std=0.0),
+        {"embeddings": (4, 16), "projection": (64, 16), "temperature": ()}),
+    ("acmoe", None): (
+        dict(name="acmoe", normalization="paper",
+             base=dict(name="noisy_topk", num_selected=2, noise_std=1.0)),
+        {"base": _LINEAR}),
+    ("acmoe", "language"): (
+        dict(name="acmoe", normalization="language",
+             base=dict(name="cosine_lm", num_selected=2)),
+        {"base": {"embeddings": (4, 64)}}),
+    ("acmoe", "swin"): (
+        dict(name="acmoe", normalization="swin",
+             base=dict(name="noisy_topk", num_selected=2, noise_std=1.0)),
+        {"base": _LINEAR}),
+    ("acmoe_soft", None): (
+        dict(name="acmoe", normalization="softmoe",
+             base=dict(name="soft", num_slots=4)),
+        {"base": {"mu": (64, 4, 4), "scale": ()}}),
+    ("top_p", None): (dict(_TOP_P, learnable_threshold=False), _LINEAR),
+    ("top_p", "learnable"): (dict(_TOP_P, learnable_threshold=True),
+                             dict(_LINEAR, threshold=())),
+    ("acmoe_top_p", None): (
+        dict(name="acmoe", normalization="paper",
+             base=dict(_TOP_P, learnable_threshold=False)),
+        {"base": _LINEAR}),
+    ("acmoe_top_p", "learnable"): (
+        dict(name="acmoe", normalization="paper",
+             base=dict(_TOP_P, learnable_threshold=True)),
+        {"base": dict(_LINEAR, threshold=())}),
+}
 
 
-@pytest.mark.parametrize("name,arg", CONFIGS)
-def test_configs_validate(name, arg):
-  validate_config(load_config(name, arg))
+def _subset(got, want, path="router"):
+  for key, value in want.items():
+    assert key in got, f"{path}.{key} missing"
+    if isinstance(value, dict):
+      _subset(got[key], value, f"{path}.{key}")
+    elif isinstance(value, float):
+      assert got[key] == pytest.approx(value), f"{path}.{key}"
+    else:
+      assert got[key] == value, f"{path}.{key}"
+
+
+@pytest.mark.parametrize("name,arg", sorted(CONFIGS, key=str))
+def test_configs_validate_and_build_the_documented_router(name, arg):
+  fields, shapes = CONFIGS[(name, arg)]
+  config = load_config(name, arg)
+  validate_config(config)
+  _subset(config.model.moe.router.to_dict(), fields)
+  model = build_model(config.model)
+  params = jax.eval_shape(model.init, jax.random.key(0),
+                          jnp.zeros((8, 28, 28, 1)))["params"]
+  for i in range(4):
+    block = params[f"encoderblock_{i}"]
+    assert ("Moe" in block) == (i in (1, 3)), i
+    if i in (1, 3):
+      got = jax.tree.map(lambda a: tuple(a.shape), block["Moe"]["router"])
+      assert got == shapes, (i, got)
 
 
 def _with_router(router, layers=(1, 3)):
