@@ -22,6 +22,7 @@ from vmoe_ext.data import default_normalization, eval_batches
 from vmoe_ext.data.dataset import ArrayDataset
 from vmoe_ext.data.stream_eval import StreamingEvalSplit
 from vmoe_ext.errors import require
+from vmoe_ext.naming import param_name
 from vmoe_ext.train import checkpoint_params as ckpt_params
 
 
@@ -54,7 +55,7 @@ def check_dense_checkpoint(spec: CarveSpec, num_layers: int) -> int:
           "not a dense ViT; carving reads a dense ViT trained with "
           "configs/vit_dense.py:plain")
   for block in spec.blocks(num_layers):
-    path = f"encoderblock_{block}/Mlp/Dense_0/kernel"
+    path = f"{param_name(block)}/Mlp/Dense_0/kernel"
     require(path in shapes, "carve.checkpoint_dir",
             f"{source!r} is not a dense ViT with an MLP in block {block} "
             f"(no {path})")
