@@ -12,6 +12,7 @@ import ml_collections
 import numpy as np
 import pytest
 
+import naive
 from resume_check import short_schedule
 from vmoe_ext import main
 from vmoe_ext.carving.spec import CarveSpec, carved_model_config
@@ -142,12 +143,64 @@ def test_fine_tune_starts_from_the_carved_params_with_balancing(carved,
     np.testing.assert_allclose(b * 1e3, np.round(b * 1e3), atol=1e-4)
 
 
-def test_random_split_carving_runs(carved, tmp_path):
+def _layer(flat, prefix):
+  """`{"Dense_0": {"kernel": ..., ...}, ...}` of the params under prefix."""
+  out = {}
+  for path, value in flat.items():
+    if path.startswith(prefix + "/"):
+      layer, name = path[len(prefix) + 1:].split("/")
+      out.setdefault(layer, {})[name] = np.asarray(value)
+  return out
+
+
+def test_random_split_carving_partitions_the_dense_mlps(carved, tmp_path):
+  """The random split (S1A1E4: m = 16 / 4 = 4 units per expert) of each
+  dense MLP: the units of the seeded permutation (seed + block, the first
+  N_s m shared, then blocks of m) are exact column / row slices of the dense
+  weights, together every unit once, so that all experts plus the shared
+  one plus b_1 compute the dense MLP (NumPy, unit by unit); everything
+  outside the MLPs is the dense checkpoint's; the routers are fresh."""
   dense_dir, _, _ = carved
   config = _carve_config(dense_dir, method="random")
   main.run(config, str(tmp_path / "random"))
   params = _params(str(tmp_path / "random"))
-  assert "encoderblock_0/Moe/router/logits/dense/kernel" in params
+  steps = ckpt_params.checkpoint_steps(os.path.join(dense_dir, "checkpoints"))
+  dense = _params(dense_dir, steps[-1])
+  assert steps[-1] == 4
+  tokens = np.random.default_rng(0).standard_normal((5, 16))
+  for i in (0, 1):
+    mlp = _layer(dense, f"encoderblock_{i}/Mlp")
+    experts = _layer(params, f"encoderblock_{i}/Moe/Mlp")
+    shared = _layer(params, f"encoderblock_{i}/Moe/SharedMlp")
+    perm = np.random.default_rng(0 + i).permutation(16)  # carve.seed 0.
+    groups = [np.sort(perm[:4])] + [np.sort(perm[4 * e:4 * e + 4])
+                                    for e in (1, 2, 3)]
+    slices = [(shared["Dense_0"]["kernel"], shared["Dense_0"]["bias"],
+               shared["Dense_1"]["kernel"])] + [
+                   (experts["Dense_0"]["kernel"][e],
+                    experts["Dense_0"]["bias"][e],
+                    experts["Dense_1"]["kernel"][e]) for e in range(3)]
+    for units, (w0, b0, w1) in zip(groups, slices):
+      np.testing.assert_array_equal(w0, mlp["Dense_0"]["kernel"][:, units])
+      np.testing.assert_array_equal(b0, mlp["Dense_0"]["bias"][units])
+      np.testing.assert_array_equal(w1, mlp["Dense_1"]["kernel"][units])
+    assert sorted(np.concatenate(groups)) == list(range(16))
+    np.testing.assert_array_equal(params[f"encoderblock_{i}/Moe/bias"],
+                                  mlp["Dense_1"]["bias"])
+    # b_1 once, in Moe/bias; no expert adds it again.
+    assert "bias" not in experts["Dense_1"] and "bias" not in shared["Dense_1"]
+    for v in tokens:
+      summed = params[f"encoderblock_{i}/Moe/bias"].astype(np.float64) + (
+          naive.mlp(shared, v) + sum(naive.mlp(experts, v, expert=e)
+                                     for e in range(3)))
+      np.testing.assert_allclose(summed, naive.mlp(mlp, v), rtol=1e-9,
+                                 atol=1e-9)
+    # A fresh router (no representative rows): LeCun-normal [D, 3].
+    router = params[f"encoderblock_{i}/Moe/router/logits/dense/kernel"]
+    assert router.shape == (16, 3)
+  for path, value in dense.items():
+    if "/Mlp/" not in path:
+      np.testing.assert_array_equal(params[path], value, err_msg=path)
 
 
 def _save_moe_checkpoint(workdir):
