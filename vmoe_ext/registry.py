@@ -20,6 +20,15 @@ from vmoe_ext.errors import ConfigError, require
 _RESERVED = frozenset({"parent", "name"})
 
 
+def resolve(target: Any) -> Any:
+  """`target` itself, or the object a "package.module:attr" path names
+  (imported now)."""
+  if not isinstance(target, str):
+    return target
+  module, attr = target.split(":")
+  return getattr(importlib.import_module(module), attr)
+
+
 class Registry:
   """Maps config names to classes or functions, resolved lazily.
 
@@ -72,8 +81,7 @@ class Registry:
     """The class or function registered under `name` (imported if lazy)."""
     target = self.entries[self.check(name, field)]
     if isinstance(target, str):
-      module, attr = target.split(":")
-      target = getattr(importlib.import_module(module), attr)
+      target = resolve(target)
       self.entries[name] = target
     return target
 

@@ -7,14 +7,17 @@ of the same shape, within the eps-ball and the valid range (except PGD's
 ever called on `[B, ...]` batches, as the clean evaluation is: capacity-based
 MoE routing couples the images of a routing group, so clean and attacked
 accuracy must be measured with the same batching. See `base` for the
-conventions and each module for its update rule.
+conventions, each module for its update rule, and `registry` for the
+contract a new attack follows (one module plus one line in `ATTACKS`).
 """
 
 from vmoe_ext.attacks.base import cross_entropy, margin_loss
 from vmoe_ext.attacks.fast_gradient import fgsm
 from vmoe_ext.attacks.gradient_free import spsa, spsa_gradient
 from vmoe_ext.attacks.projected_gradient import pgd
-from vmoe_ext.attacks.registry import ATTACKS, get_attack, make_attack
+from vmoe_ext.attacks.registry import (ATTACKS, CALL_ARGS, AttackSpec,
+                                       get_attack, make_attack)
 
-__all__ = ["ATTACKS", "cross_entropy", "fgsm", "get_attack", "make_attack",
-           "margin_loss", "pgd", "spsa", "spsa_gradient"]
+__all__ = ["ATTACKS", "AttackSpec", "CALL_ARGS", "cross_entropy", "fgsm",
+           "get_attack", "make_attack", "margin_loss", "pgd", "spsa",
+           "spsa_gradient"]

@@ -39,16 +39,19 @@ def fgsm(logits_fn: base.LogitsFn, x: Array, labels: Array, *, eps: float,
   Raises:
     ConfigError: invalid argument; the message names the field ("attack.eps").
   """
-  _validate(eps=eps, clip_min=clip_min, clip_max=clip_max,
-            include_auxiliary_loss=include_auxiliary_loss)
+  check_fgsm(eps=eps, clip_min=clip_min, clip_max=clip_max,
+             targeted=targeted, include_auxiliary_loss=include_auxiliary_loss)
   base.check_inputs(x, labels)
   static = dict(targeted=bool(targeted), aux=include_auxiliary_loss)
   return base.run_jitted(_fgsm, logits_fn, static, x, labels, eps, clip_min,
                          clip_max)
 
 
-def _validate(*, eps: Any, clip_min: Any, clip_max: Any,
-              include_auxiliary_loss: Any = False) -> None:
+def check_fgsm(*, eps: Any, clip_min: Any, clip_max: Any, targeted: Any,
+               include_auxiliary_loss: Any) -> None:
+  """`fgsm`'s config check (the attack contract, `attacks.registry`): every
+  config field, keyword-only; ConfigError naming "attack.<field>"."""
+  del targeted  # Any truth value.
   base.check_eps(eps)
   base.check_range(clip_min, clip_max)
   base.check_bool(include_auxiliary_loss, "attack.include_auxiliary_loss")

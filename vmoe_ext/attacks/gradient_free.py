@@ -115,9 +115,10 @@ def spsa(logits_fn: base.LogitsFn, x: Array, labels: Array, *, eps: float,
   Raises:
     ConfigError: invalid argument; the message names the field ("attack.eps").
   """
-  _validate(eps=eps, steps=steps, samples=samples, delta=delta,
-            learning_rate=learning_rate, clip_min=clip_min, clip_max=clip_max,
-            sample_chunk=sample_chunk)
+  check_spsa(eps=eps, steps=steps, samples=samples, delta=delta,
+             learning_rate=learning_rate, early_stop=early_stop,
+             clip_min=clip_min, clip_max=clip_max, targeted=targeted,
+             sample_chunk=sample_chunk)
   base.check_inputs(x, labels)
   base.check_key(key, True, "(SPSA samples random directions)")
   chunk = default_chunk(samples) if sample_chunk is None else sample_chunk
@@ -127,8 +128,11 @@ def spsa(logits_fn: base.LogitsFn, x: Array, labels: Array, *, eps: float,
                          learning_rate, clip_min, clip_max)
 
 
-def _validate(*, eps, steps, samples, delta, learning_rate, clip_min,
-              clip_max, sample_chunk) -> None:
+def check_spsa(*, eps, steps, samples, delta, learning_rate, early_stop,
+               clip_min, clip_max, targeted, sample_chunk) -> None:
+  """`spsa`'s config check (the attack contract, `attacks.registry`): every
+  config field, keyword-only; ConfigError naming "attack.<field>"."""
+  del early_stop, targeted  # Any truth value.
   base.check_eps(eps)
   base.check_int(steps, "attack.steps", 1)
   base.check_int(samples, "attack.samples", 1)

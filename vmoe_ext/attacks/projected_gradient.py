@@ -103,8 +103,9 @@ def pgd(logits_fn: base.LogitsFn, x: Array, labels: Array, *, eps: float,
   Raises:
     ConfigError: invalid argument; the message names the field ("attack.eps").
   """
-  _validate(eps=eps, steps=steps, step_size=step_size, norm=norm,
-            restarts=restarts, clip_min=clip_min, clip_max=clip_max,
+  check_pgd(eps=eps, steps=steps, step_size=step_size, norm=norm,
+            random_start=random_start, restarts=restarts, targeted=targeted,
+            clip_min=clip_min, clip_max=clip_max,
             vmoe_compatible=vmoe_compatible,
             include_auxiliary_loss=include_auxiliary_loss)
   base.check_inputs(x, labels)
@@ -124,8 +125,12 @@ def pgd(logits_fn: base.LogitsFn, x: Array, labels: Array, *, eps: float,
                          clip_min, clip_max)
 
 
-def _validate(*, eps, steps, step_size, norm, restarts, clip_min, clip_max,
-              vmoe_compatible, include_auxiliary_loss=False) -> None:
+def check_pgd(*, eps, steps, step_size, norm, random_start, restarts,
+              targeted, clip_min, clip_max, vmoe_compatible,
+              include_auxiliary_loss) -> None:
+  """`pgd`'s config check (the attack contract, `attacks.registry`): every
+  config field, keyword-only; ConfigError naming "attack.<field>"."""
+  del random_start, targeted  # Any truth value.
   base.check_eps(eps)
   base.check_bool(include_auxiliary_loss, "attack.include_auxiliary_loss")
   base.check_int(steps, "attack.steps", 0)

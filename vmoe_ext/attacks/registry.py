@@ -1,29 +1,120 @@
-"""Config name -> attack function, and `make_attack` from a config dict."""
+"""The attack contract, the registry of attacks and `make_attack`.
+
+A new attack is one module plus one line in `ATTACKS` (docs/robustness.md,
+"Add an attack"). The contract, checked when the attack is looked up:
+
+* `fn(logits_fn, x, labels, *, key=None, **fields) -> x_adv` — `CALL_ARGS`
+  are given at call time by the evaluation (`key` only if `fn` takes it:
+  attacks without randomness leave it out); every other parameter is a
+  config field (`robustness.attacks[i].<field>`; the config schema reads
+  their types and defaults from `fn`'s signature; no default: required). It
+  must be traceable (the evaluation jits the attack together with the
+  model) and follow `attacks.base`'s conventions (batching, valid range).
+* `check(**fields) -> None` — keyword-only, exactly `fn`'s config fields;
+  `make_attack` calls it with every field (defaults filled in) before
+  anything is traced, and it raises `ConfigError("attack.<field>", ...)`
+  (`vmoe_ext.attacks.base` has the usual checks; a field that is traced
+  stays unchecked). The config schema renames "attack" to the field's path
+  (`robustness.attacks[1].eps`). `fn` may call it too, so that direct calls
+  are checked as well (the built-in attacks do).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Union
 
 import jax
 
 from vmoe_ext.attacks.base import LogitsFn
 from vmoe_ext.errors import ConfigError, require
-from vmoe_ext.registry import Registry
+from vmoe_ext.registry import Registry, resolve
 
 Array = jax.Array
 Attack = Callable[[LogitsFn, Array, Array, Optional[Array]], Array]
+# Call-time arguments of an attack function, not config fields.
+CALL_ARGS = ("logits_fn", "x", "labels", "key")
 
-ATTACKS = Registry("attack", {
-    "fgsm": "vmoe_ext.attacks.fast_gradient:fgsm",
-    "pgd": "vmoe_ext.attacks.projected_gradient:pgd",
-    "spsa": "vmoe_ext.attacks.gradient_free:spsa",
+
+@dataclasses.dataclass(frozen=True)
+class AttackSpec:
+  """One registered attack (see the module docstring for the contract).
+
+  Attributes:
+    fn: the attack function, or its "package.module:attr" path.
+    check: its config check, or its "package.module:attr" path.
+  """
+  fn: Union[Callable[..., Array], str]
+  check: Union[Callable[..., None], str]
+
+
+def config_fields(fn: Callable[..., Any]) -> dict[str, inspect.Parameter]:
+  """An attack function's config fields: its parameters but `CALL_ARGS`."""
+  return {p.name: p for p in inspect.signature(fn).parameters.values()
+          if p.name not in CALL_ARGS}
+
+
+def _name(fn: Any) -> str:
+  return getattr(fn, "__name__", repr(fn))
+
+
+def check_contract(name: str, spec: AttackSpec) -> None:
+  """TypeError unless `spec` (resolved) follows the attack contract."""
+  params = list(inspect.signature(spec.fn).parameters)
+  if params[:3] != list(CALL_ARGS[:3]):
+    raise TypeError(f"attack {name!r}: {_name(spec.fn)} must take "
+                    f"{CALL_ARGS[:3]} first, got {params[:3]}")
+  fields = set(config_fields(spec.fn))
+  check = inspect.signature(spec.check).parameters.values()
+  keyword_only = {p.name for p in check if p.kind == p.KEYWORD_ONLY}
+  if keyword_only != fields or len(check) != len(keyword_only):
+    raise TypeError(
+        f"attack {name!r}: its check {_name(spec.check)} must take "
+        f"exactly the config fields of {_name(spec.fn)}, keyword-only: "
+        f"{sorted(fields)}; got {[p.name for p in check]}")
+
+
+class AttackRegistry(Registry):
+  """`Registry` of `AttackSpec`s: `get(name)` is the attack function (what
+  the config schema reads the fields of), `spec(name)` the function with
+  its check, both resolved and checked against the contract."""
+
+  def __init__(self, entries: Mapping[str, AttackSpec]):
+    super().__init__("attack", {})
+    for name, spec in entries.items():
+      self.register(name, spec)
+
+  def register(self, name: str, target: Any) -> None:
+    """Adds `name` -> `target`, an `AttackSpec`."""
+    if not isinstance(target, AttackSpec):
+      raise TypeError(f"attack {name!r}: register an AttackSpec(fn, check), "
+                      f"got {type(target).__name__}")
+    super().register(name, target)
+
+  def spec(self, name: Any, field: Optional[str] = None) -> AttackSpec:
+    """The `AttackSpec` registered under `name`, resolved (ConfigError on
+    `field`, default "attack.name", if none; TypeError if it breaks the
+    contract)."""
+    spec = self.entries[self.check(name, field)]
+    spec = AttackSpec(resolve(spec.fn), resolve(spec.check))
+    check_contract(name, spec)
+    self.entries[name] = spec
+    return spec
+
+  def get(self, name: Any, field: Optional[str] = None) -> Any:
+    """The attack function registered under `name`."""
+    return self.spec(name, field).fn
+
+
+ATTACKS = AttackRegistry({
+    "fgsm": AttackSpec("vmoe_ext.attacks.fast_gradient:fgsm",
+                       "vmoe_ext.attacks.fast_gradient:check_fgsm"),
+    "pgd": AttackSpec("vmoe_ext.attacks.projected_gradient:pgd",
+                      "vmoe_ext.attacks.projected_gradient:check_pgd"),
+    "spsa": AttackSpec("vmoe_ext.attacks.gradient_free:spsa",
+                       "vmoe_ext.attacks.gradient_free:check_spsa"),
 })
-# Each attack's argument checks (keyword-only, every argument explicit): the
-# `_validate` function of the module that defines the attack.
-_VALIDATOR = "_validate"
-# Call-time arguments, not config fields.
-_CALL_ARGS = ("logits_fn", "x", "labels", "key")
 
 
 def get_attack(name: str) -> Callable[..., Array]:
@@ -34,20 +125,21 @@ def get_attack(name: str) -> Callable[..., Array]:
 def make_attack(config: Mapping[str, Any]) -> Attack:
   """`attack(logits_fn, x, labels, key=None) -> x_adv` from a config dict.
 
-  `config = {"name": "fgsm" | "pgd" | "spsa", **keyword arguments of that
-  function}` (an ml_collections ConfigDict works too). Everything is checked
-  now, before tracing: unknown names and fields, missing required fields and
-  invalid values raise ConfigError naming the field ("attack.steps"). The
-  returned function is pure and traceable; jit it together with the model,
-  e.g. `jax.jit(lambda p, x, y, k: attack(lambda z: apply(p, z), x, y, k))`.
-  `key` is ignored by FGSM.
+  `config = {"name": a registered attack, **its config fields}` (an
+  ml_collections ConfigDict works too). Everything is checked now, before
+  tracing: unknown names and fields, missing required fields, and the
+  attack's `check` on every field (defaults filled in) raise ConfigError
+  naming the field ("attack.steps"). The returned function is pure and
+  traceable; jit it together with the model, e.g.
+  `jax.jit(lambda p, x, y, k: attack(lambda z: apply(p, z), x, y, k))`.
+  `key` is not passed to attacks that take none (FGSM).
   """
   config = dict(config.to_dict() if hasattr(config, "to_dict") else config)
   require("name" in config, "attack.name", "missing")
   name = config.pop("name")
-  fn = get_attack(name)
-  params = {p.name: p for p in inspect.signature(fn).parameters.values()
-            if p.name not in _CALL_ARGS}
+  spec = ATTACKS.spec(name)
+  fn = spec.fn
+  params = config_fields(fn)
   for field in sorted(config):
     if field not in params:
       raise ConfigError(f"attack.{field}",
@@ -61,9 +153,7 @@ def make_attack(config: Mapping[str, Any]) -> Attack:
       raise ConfigError(f"attack.{field}", f"missing (required by {name!r})")
     else:
       resolved[field] = p.default
-  validator = getattr(inspect.getmodule(fn), _VALIDATOR)
-  wanted = inspect.signature(validator).parameters
-  validator(**{k: v for k, v in resolved.items() if k in wanted})
+  spec.check(**resolved)
   takes_key = "key" in inspect.signature(fn).parameters
 
   def attack(logits_fn: LogitsFn, x: Array, labels: Array,

@@ -4,22 +4,24 @@ evaluation datasets, and the evaluation-only modes (`checkpoint_dir`,
 
 An attack entry is `{name, **the attack function's keyword arguments}`
 (`vmoe_ext.attacks.ATTACKS`: its fields are read from the function's
-signature) plus `num_examples`; the attack's own checks run once, here.
+signature) plus `num_examples`; the attack's own checks (its registered
+`check`, `vmoe_ext.attacks.registry`) run once, here.
 """
 
 from __future__ import annotations
 
 from typing import Any, Mapping
 
-from vmoe_ext.attacks import ATTACKS, make_attack
+from vmoe_ext.attacks import ATTACKS, CALL_ARGS, make_attack
 from vmoe_ext.config.schema import (REQUIRED, Field, Section, Seq, Spec,
                                     function_fields, renamed_scope)
 from vmoe_ext.data.corruptions import CORRUPTION_FUNCTIONS, SEVERITIES
 from vmoe_ext.errors import ConfigError, require
 from vmoe_ext.evaluate.datasets import check_datasets
 
-# Arguments of an attack function that are not config fields.
-_ATTACK_CALL_ARGS = ("logits_fn", "x", "labels", "key")
+# Arguments of an attack function that are not config fields (the attack
+# contract's call-time arguments).
+_ATTACK_CALL_ARGS = CALL_ARGS
 
 
 def _attack_fields(extra: Mapping[str, Spec], exclude: tuple[str, ...] = ()):

@@ -36,6 +36,11 @@ the report) to an entry with a `kind`:
   ImageNet validation images of its 200 classes). The chance level (the OOD
   fraction) is reported next to it.
 
+Each kind is a `DatasetKind` registered in `DATASET_KINDS` (its fields,
+its config check, its evaluation, its metrics lines and report sections):
+a new kind is one module plus one line there (docs/robustness.md, "Add an
+evaluation").
+
 Sources: "test" (the run's own test split), a TFDS source
 `{"tfds_name", "split", "data_dir", "image_key", "label_key",
 "max_examples"}` (`data_dir` defaults to `data.data_dir`; array_record data is
@@ -58,6 +63,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
+from vmoe_ext.classification import topk_correct
 from vmoe_ext.data.corruptions import CORRUPTIONS
 from vmoe_ext.data.dataset import ArrayDataset
 from vmoe_ext.data.readers import ArrayReader, ExampleReader, evenly_spaced
@@ -70,18 +76,21 @@ from vmoe_ext.evaluate.evaluator import Evaluator
 from vmoe_ext.evaluate.imagenet_subsets import (IMAGENET_A_CLASSES,
                                                 IMAGENET_R_CLASSES)
 from vmoe_ext.evaluate.metrics import mask_logits, ood_aupr, topk_accuracy
+from vmoe_ext.registry import Registry
 from vmoe_ext.reporting.report_parts import bar_chart, markdown_table
 from vmoe_ext.reporting.writers import MetricWriter, progress_bar
 
-KINDS = ("corrupted", "accuracy", "ood")
+# `robustness.datasets.NAME.kind` -> its `DatasetKind`. A new kind of
+# evaluation is one module plus one line here (docs/robustness.md, "Add an
+# evaluation").
+DATASET_KINDS = Registry("dataset kind", {
+    "corrupted": "vmoe_ext.evaluate.datasets:CorruptedDatasets",
+    "accuracy": "vmoe_ext.evaluate.datasets:AccuracyDatasets",
+    "ood": "vmoe_ext.evaluate.datasets:OodDatasets",
+})
 NAMED_SUBSETS = {"imagenet_a": IMAGENET_A_CLASSES,
                  "imagenet_r": IMAGENET_R_CLASSES}
 BASELINES = ("auto", "alexnet", None)
-_FIELDS = {
-    "corrupted": {"kind", "source", "corruptions", "severities", "baseline"},
-    "accuracy": {"kind", "source", "class_subset", "label_space"},
-    "ood": {"kind", "source", "in_source", "class_subset"},
-}
 _TFDS_FIELDS = {"tfds_name", "split", "data_dir", "image_key", "label_key",
                 "max_examples"}
 _FOLDER_FIELDS = {"path", "max_examples"}
@@ -169,53 +178,24 @@ def check_datasets(datasets: Any, field: str = "robustness.datasets"
     require(isinstance(entry, Mapping), f, "must be a dict with a kind")
     entry = dict(entry)
     kind = entry.get("kind")
-    require(kind in KINDS, f"{f}.kind", f"must be one of {KINDS}, got "
+    kinds = tuple(DATASET_KINDS)
+    require(kind in kinds, f"{f}.kind", f"must be one of {kinds}, got "
             f"{kind!r}")
-    unknown = sorted(set(entry) - _FIELDS[kind])
+    evaluation = DATASET_KINDS.get(kind)()
+    known = {"kind", "source", *evaluation.fields}
+    unknown = sorted(set(entry) - known)
     if unknown:
       raise ConfigError(f"{f}.{unknown[0]}", f"unknown field for kind "
-                        f"{kind!r}; known: {sorted(_FIELDS[kind])}")
+                        f"{kind!r}; known: {sorted(known)}")
     require("source" in entry, f"{f}.source", "required")
     entry["source"] = check_source(entry["source"], f"{f}.source",
-                                   corrupted=kind == "corrupted")
-    if kind == "corrupted":
-      names = entry.get("corruptions")
-      names = tuple(CORRUPTIONS if names is None else names)
-      require(names and all(isinstance(c, str) and c for c in names),
-              f"{f}.corruptions", "must be None or a non-empty list of names")
-      severities = tuple(entry.get("severities") or (1, 2, 3, 4, 5))
-      for s in severities:
-        require(s in (1, 2, 3, 4, 5), f"{f}.severities",
-                f"severities are 1..5, got {s!r}")
-      baseline = entry.get("baseline", "auto")
-      require(baseline in BASELINES, f"{f}.baseline",
-              f"must be one of {BASELINES}, got {baseline!r}")
-      if baseline == "alexnet":
-        missing = sorted(set(ALEXNET_ERRORS) - set(names))
-        require(not missing, f"{f}.corruptions",
-                f"baseline='alexnet' needs all 15 ImageNet-C corruptions; "
-                f"missing {missing}")
-      entry.update(corruptions=names, severities=severities,
-                   baseline=baseline)
-    elif kind == "accuracy":
-      entry["class_subset"] = _class_subset(entry.get("class_subset"),
-                                            f"{f}.class_subset")
-      space = entry.get("label_space", "full")
-      require(space in ("full", "subset"), f"{f}.label_space",
-              f"must be 'full' or 'subset', got {space!r}")
-      require(space == "full" or entry["class_subset"] is not None,
-              f"{f}.label_space", "'subset' needs a class_subset")
-      entry["label_space"] = space
-    else:
-      entry["in_source"] = check_source(entry.get("in_source", "test"),
-                                        f"{f}.in_source")
-      entry["class_subset"] = _class_subset(entry.get("class_subset"),
-                                            f"{f}.class_subset")
+                                   corrupted=evaluation.corrupted_source)
+    entry = evaluation.check(entry, f)
     out[name] = entry
   return out
 
 
-class _Context:
+class DatasetContext:
   """What every dataset evaluation shares: the model, the run's test split,
   the input geometry, the batch size and the default TFDS data_dir."""
 
@@ -284,7 +264,8 @@ def _subset_positions(labels: np.ndarray, subset: Sequence[int],
   return np.asarray([lookup[int(l)] for l in labels], np.int32)
 
 
-def evaluate_accuracy(ctx: _Context, name: str, entry: Mapping[str, Any],
+def evaluate_accuracy(ctx: DatasetContext, name: str,
+                      entry: Mapping[str, Any],
                       field: str) -> dict[str, Any]:
   """Top-1/top-5 accuracy on a source, optionally on a class subset."""
   reader = ctx.open(entry["source"], f"{field}.source")
@@ -318,7 +299,8 @@ def evaluate_accuracy(ctx: _Context, name: str, entry: Mapping[str, Any],
                                 else len(subset))}
 
 
-def evaluate_ood(ctx: _Context, name: str, entry: Mapping[str, Any],
+def evaluate_ood(ctx: DatasetContext, name: str,
+                 entry: Mapping[str, Any],
                  field: str) -> dict[str, Any]:
   """OOD-detection AUPR (OOD positive, score `-max softmax`)."""
   out_reader = ctx.open(entry["source"], f"{field}.source")
@@ -346,7 +328,7 @@ def evaluate_ood(ctx: _Context, name: str, entry: Mapping[str, Any],
           "num_in": n_in, "num_out": n_out}
 
 
-def _corruption_reader(ctx: _Context, source: Mapping[str, Any],
+def _corruption_reader(ctx: DatasetContext, source: Mapping[str, Any],
                        corruption: str, severity: int, field: str
                        ) -> ExampleReader:
   if "path" in source:
@@ -359,7 +341,8 @@ def _corruption_reader(ctx: _Context, source: Mapping[str, Any],
                   tfds_name=f"{source['tfds_name']}/{corruption}_{severity}")
 
 
-def evaluate_corrupted(ctx: _Context, name: str, entry: Mapping[str, Any],
+def evaluate_corrupted(ctx: DatasetContext, name: str,
+                       entry: Mapping[str, Any],
                        field: str) -> dict[str, Any]:
   """Accuracy per (corruption, severity), corruption errors and mCE."""
   source = entry["source"]
@@ -379,8 +362,8 @@ def evaluate_corrupted(ctx: _Context, name: str, entry: Mapping[str, Any],
         require(logits.shape[1] == reader.num_classes, f"{field}.source",
                 f"{reader.name} has {reader.num_classes} classes, the model "
                 f"{logits.shape[1]}")
-        table[corruption][severity] = float(np.mean(logits.argmax(-1)
-                                                    == labels))
+        table[corruption][severity] = float(np.mean(
+            topk_correct(logits, labels, 1)))
         num_examples = len(labels)
         bar.update(1)
   errors = corruption_errors(table)
@@ -435,6 +418,153 @@ def _report_corrupted(r: Mapping[str, Any], name: str,
           + markdown_table(header, body) + f"\n\n![{name}]({png})")
 
 
+class DatasetKind:
+  """One kind of evaluation dataset (`robustness.datasets.NAME.kind`): the
+  contract a new kind follows (docs/robustness.md, "Add an evaluation").
+  Subclass it in a module of its own and add one line to `DATASET_KINDS`.
+
+  Attributes:
+    fields: the entry's fields besides `kind` and `source` (any other field
+      is a config error naming it).
+    corrupted_source: `source` names a corrupted set (a TFDS base name or a
+      corruption/severity folder tree; "test" is not allowed).
+  """
+  fields: tuple[str, ...] = ()
+  corrupted_source: bool = False
+
+  def check(self, entry: dict[str, Any], field: str) -> dict[str, Any]:
+    """The entry (its `source` checked already) with its defaults filled
+    in; errors are `ConfigError`s naming `f"{field}.<its field>"`. Runs
+    with the config check, before anything is read or compiled."""
+    del field
+    return entry
+
+  def evaluate(self, ctx: DatasetContext, name: str,
+               entry: Mapping[str, Any], field: str) -> Any:
+    """Evaluates the entry `name` (checked) and returns its results; read
+    examples with `ctx.open` and predict them with `ctx.predict` (the
+    evaluator's jitted forward pass) or `ctx.evaluator`."""
+    raise NotImplementedError
+
+  def write(self, result: Any, name: str, entry: Mapping[str, Any], *,
+            writer: MetricWriter, step: int, workdir: str) -> Optional[str]:
+    """Writes the `metrics.jsonl` line(s) of `result` (and its figures into
+    `workdir`); returns a report section of its own, or None."""
+    raise NotImplementedError
+
+  def row(self, name: str, result: Any) -> Optional[list[Any]]:
+    """The entry's row in the summary table of its kind, or None."""
+    del name, result
+    return None
+
+  def table(self, rows: Sequence[list[Any]]) -> str:
+    """The report section summarising every entry of this kind (`rows`:
+    their `row`s, in config order)."""
+    raise NotImplementedError
+
+
+class CorruptedDatasets(DatasetKind):
+  """`kind="corrupted"`: accuracy per (corruption, severity), corruption
+  errors and, normalised by AlexNet's, the ImageNet-C mCE."""
+  fields = ("corruptions", "severities", "baseline")
+  corrupted_source = True
+
+  def check(self, entry: dict[str, Any], field: str) -> dict[str, Any]:
+    f = field
+    names = entry.get("corruptions")
+    names = tuple(CORRUPTIONS if names is None else names)
+    require(names and all(isinstance(c, str) and c for c in names),
+            f"{f}.corruptions", "must be None or a non-empty list of names")
+    severities = tuple(entry.get("severities") or (1, 2, 3, 4, 5))
+    for s in severities:
+      require(s in (1, 2, 3, 4, 5), f"{f}.severities",
+              f"severities are 1..5, got {s!r}")
+    baseline = entry.get("baseline", "auto")
+    require(baseline in BASELINES, f"{f}.baseline",
+            f"must be one of {BASELINES}, got {baseline!r}")
+    if baseline == "alexnet":
+      missing = sorted(set(ALEXNET_ERRORS) - set(names))
+      require(not missing, f"{f}.corruptions",
+              f"baseline='alexnet' needs all 15 ImageNet-C corruptions; "
+              f"missing {missing}")
+    entry.update(corruptions=names, severities=severities,
+                 baseline=baseline)
+    return entry
+
+  def evaluate(self, ctx, name, entry, field):
+    return evaluate_corrupted(ctx, name, entry, field)
+
+  def write(self, result, name, entry, *, writer, step, workdir):
+    return _report_corrupted(result, name, entry["severities"], writer, step,
+                             workdir)
+
+
+class AccuracyDatasets(DatasetKind):
+  """`kind="accuracy"`: top-1 / top-5 accuracy, optionally on a class
+  subset (ImageNet-A/R)."""
+  fields = ("class_subset", "label_space")
+
+  def check(self, entry: dict[str, Any], field: str) -> dict[str, Any]:
+    f = field
+    entry["class_subset"] = _class_subset(entry.get("class_subset"),
+                                          f"{f}.class_subset")
+    space = entry.get("label_space", "full")
+    require(space in ("full", "subset"), f"{f}.label_space",
+            f"must be 'full' or 'subset', got {space!r}")
+    require(space == "full" or entry["class_subset"] is not None,
+            f"{f}.label_space", "'subset' needs a class_subset")
+    entry["label_space"] = space
+    return entry
+
+  def evaluate(self, ctx, name, entry, field):
+    return evaluate_accuracy(ctx, name, entry, field)
+
+  def write(self, result, name, entry, *, writer, step, workdir):
+    writer.write(step, f"dataset/{name}", result)
+    return None
+
+  def row(self, name, result):
+    return [name, result["num_examples"], result["class_subset_size"],
+            result["accuracy"], result["top5_accuracy"]]
+
+  def table(self, rows):
+    return ("## Accuracy on evaluation datasets\n\nLogits restricted to the "
+            "class subset before the argmax where one is given.\n\n"
+            + markdown_table(["dataset", "examples", "classes", "top-1",
+                              "top-5"], rows))
+
+
+class OodDatasets(DatasetKind):
+  """`kind="ood"`: out-of-distribution detection AUPR (ImageNet-O)."""
+  fields = ("in_source", "class_subset")
+
+  def check(self, entry: dict[str, Any], field: str) -> dict[str, Any]:
+    f = field
+    entry["in_source"] = check_source(entry.get("in_source", "test"),
+                                      f"{f}.in_source")
+    entry["class_subset"] = _class_subset(entry.get("class_subset"),
+                                          f"{f}.class_subset")
+    return entry
+
+  def evaluate(self, ctx, name, entry, field):
+    return evaluate_ood(ctx, name, entry, field)
+
+  def write(self, result, name, entry, *, writer, step, workdir):
+    writer.write(step, f"ood/{name}", result)
+    return None
+
+  def row(self, name, result):
+    return [name, result["num_in"], result["num_out"], result["aupr"],
+            result["chance_aupr"]]
+
+  def table(self, rows):
+    return ("## Out-of-distribution detection\n\nAUPR with OOD as the "
+            "positive class, anomaly score -max softmax; chance = OOD "
+            "fraction.\n\n"
+            + markdown_table(["dataset", "in-dist examples", "OOD examples",
+                              "AUPR", "chance"], rows))
+
+
 def evaluate_datasets(evaluator: Evaluator, test: ArrayDataset,
                       data_config: Mapping[str, Any],
                       datasets: Mapping[str, Any], *, batch_size: int,
@@ -442,36 +572,23 @@ def evaluate_datasets(evaluator: Evaluator, test: ArrayDataset,
                       field: str = "robustness.datasets") -> list[str]:
   """Evaluates every `robustness.datasets` entry; returns report sections."""
   entries = check_datasets(datasets, field)
-  ctx = _Context(evaluator, test, data_config, batch_size)
+  ctx = DatasetContext(evaluator, test, data_config, batch_size)
   sections = []
-  rows = {"accuracy": [], "ood": []}
+  rows: dict[str, list[list[Any]]] = {}
   for name, entry in entries.items():
-    f = f"{field}.{name}"
-    if entry["kind"] == "accuracy":
-      m = evaluate_accuracy(ctx, name, entry, f)
-      writer.write(step, f"dataset/{name}", m)
-      rows["accuracy"].append([name, m["num_examples"],
-                               m["class_subset_size"], m["accuracy"],
-                               m["top5_accuracy"]])
-    elif entry["kind"] == "ood":
-      m = evaluate_ood(ctx, name, entry, f)
-      writer.write(step, f"ood/{name}", m)
-      rows["ood"].append([name, m["num_in"], m["num_out"], m["aupr"],
-                          m["chance_aupr"]])
-    else:
-      r = evaluate_corrupted(ctx, name, entry, f)
-      sections.append(_report_corrupted(r, name, entry["severities"], writer,
-                                        step, workdir))
-  if rows["accuracy"]:
-    sections.append(
-        "## Accuracy on evaluation datasets\n\nLogits restricted to the "
-        "class subset before the argmax where one is given.\n\n"
-        + markdown_table(["dataset", "examples", "classes", "top-1",
-                          "top-5"], rows["accuracy"]))
-  if rows["ood"]:
-    sections.append(
-        "## Out-of-distribution detection\n\nAUPR with OOD as the positive "
-        "class, anomaly score -max softmax; chance = OOD fraction.\n\n"
-        + markdown_table(["dataset", "in-dist examples", "OOD examples",
-                          "AUPR", "chance"], rows["ood"]))
+    kind = DATASET_KINDS.get(entry["kind"])()
+    result = kind.evaluate(ctx, name, entry, f"{field}.{name}")
+    section = kind.write(result, name, entry, writer=writer, step=step,
+                         workdir=workdir)
+    if section is not None:
+      sections.append(section)
+    row = kind.row(name, result)
+    if row is not None:
+      rows.setdefault(entry["kind"], []).append(row)
+  for name in DATASET_KINDS:  # One summary table per kind, in their order.
+    if rows.get(name):
+      sections.append(DATASET_KINDS.get(name)().table(rows[name]))
   return sections
+
+
+_Context = DatasetContext  # The name before `DatasetKind` made it public.
