@@ -13,11 +13,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from vmoe_ext.classification import LOSSES  # vmoe's names
 from vmoe_ext.config.schema import REQUIRED, Field, Section, Seq
 from vmoe_ext.errors import ConfigError, require
 from vmoe_ext.train.optimizer import OPTIMIZER
-
-LOSSES = ("softmax_xent", "sigmoid_xent")  # vmoe's names
 
 MIXUP = Section({
     "concentration": Field("float", None, nullable=True, low=0.0,
