@@ -391,8 +391,9 @@ def test_dense_model_gets_no_section_line_or_figure(tmp_path):
   model = build_model(config.model)
   variables = model.init(jax.random.key(0), jnp.zeros((1, 8, 8, 1)))
   data = load_dataset(config.data)["test"]
-  run = types.SimpleNamespace(
-      model=model, datasets={"test": data},
+  run = types.SimpleNamespace(  # What the hook reads of a run context.
+      model=model, config=config, partitioning=None,
+      data=types.SimpleNamespace(test=data),
       state=types.SimpleNamespace(step=3, variables=lambda: variables))
   workdir = str(tmp_path)
   with MetricWriter(workdir, tensorboard=False) as writer:

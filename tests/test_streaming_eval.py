@@ -36,6 +36,7 @@ from vmoe_ext.data.stream_iterator import StreamingTrainIterator  # noqa: E402
 from vmoe_ext.errors import ConfigError, InputError  # noqa: E402
 from vmoe_ext.models import build_model  # noqa: E402
 from vmoe_ext.app import train as loop  # noqa: E402
+from vmoe_ext.data import source as data_source  # noqa: E402
 
 
 def eval_data(data_dir, **data):
@@ -179,7 +180,7 @@ def trained(data_dir, tmp_path_factory):
   config.robustness = ml_collections.ConfigDict(dict(
       num_examples=8, attacks=[dict(name="fgsm", eps=0.01)]))
   with pytest.MonkeyPatch.context() as patch:
-    patch.setattr(loop, "load_tfds_split", forbidden)
+    patch.setattr(data_source, "load_tfds_split", forbidden)
     main.run(config, workdir)
   run = loop.setup(config, workdir)
   assert run.restore() == 4

@@ -1,6 +1,6 @@
 """Machinery shared by the attacks: losses, projections, argument checks.
 
-Conventions of the whole package (DESIGN §4.9):
+Conventions of the whole package (docs/robustness.md, "Attacks"):
 
 * Images `x [B, ...]` live in a declared valid range `[clip_min, clip_max]`;
   `eps` is in the same units. Attacks return `x_adv` with `x`'s shape/dtype.

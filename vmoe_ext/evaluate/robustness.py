@@ -23,9 +23,12 @@ import ml_collections
 import numpy as np
 
 from vmoe_ext.classification import topk_correct
+from vmoe_ext.config.defaults import fill_defaults
+from vmoe_ext.config.schema import plain
 from vmoe_ext.data import ArrayDataset, default_normalization, eval_batches
 from vmoe_ext.data.corruptions import CORRUPTIONS, corrupt
 from vmoe_ext.errors import require
+from vmoe_ext.evaluate.config import ROBUSTNESS
 from vmoe_ext.evaluate.corruption_metrics import corruption_errors
 from vmoe_ext.evaluate.datasets import check_datasets, evaluate_datasets
 from vmoe_ext.evaluate.evaluator import Evaluator, clean_accuracy
@@ -35,31 +38,11 @@ from vmoe_ext.reporting.report_parts import bar_chart, markdown_table
 from vmoe_ext.reporting.writers import (MetricWriter, progress_bar,
                                        progress_line)
 
-DEFAULTS: dict[str, Any] = {
-    "num_examples": None,   # first N test examples (None: all)
-    "attacks": (),          # ({"name": ..., "eps": ..., **kwargs}, ...)
-    "sweep": None,          # {"attack": {...}, "eps": (...)}
-    "corruptions": None,    # {"names": None (all), "severities": (1..5),
-                            #  "num_examples": None}
-    "datasets": None,       # {name: {"kind": ..., "source": ...}}; see
-                            # vmoe_ext.evaluate.datasets
-    "seed": 0,
-}
-
-
 def robustness_config(config: Mapping[str, Any]) -> dict[str, Any]:
-  """Checks the `robustness` section and fills its defaults.
-
-  The fields (unknown ones, types, NaN/inf, the attacks' arguments, the eps
-  sweep, corruption names and severities) are checked against
-  `vmoe_ext.config.sections.ROBUSTNESS`, the evaluation datasets by
-  `check_datasets`; a `ConfigError` names the full path
-  (`robustness.attacks[1].eps`).
-  """
-  from vmoe_ext.config import validate_section  # Light; no import cycle.
-  config = dict(config.to_dict() if hasattr(config, "to_dict") else config)
-  validate_section("robustness", config)
-  out = {**DEFAULTS, **config}
+  """A checked `robustness` section with its defaults filled (the schema's,
+  `vmoe_ext.evaluate.config.ROBUSTNESS`) and its evaluation datasets'
+  entries completed (`check_datasets`)."""
+  out = fill_defaults(ROBUSTNESS, plain(config))
   out["datasets"] = check_datasets(out["datasets"])
   return out
 
@@ -216,9 +199,9 @@ def evaluate_robustness(model: nn.Module, variables: Mapping[str, Any],
 
   if cfg["corruptions"] is not None:
     corr = dict(cfg["corruptions"])
-    names = tuple(corr.get("names") or CORRUPTIONS)
-    severities = tuple(corr.get("severities") or (1, 2, 3, 4, 5))
-    subset = _subset(data, corr.get("num_examples"))
+    names = tuple(corr["names"] or CORRUPTIONS)  # None: all
+    severities = tuple(corr["severities"])
+    subset = _subset(data, corr["num_examples"])
     table: dict[str, dict[int, float]] = {}
     with progress_bar(total=len(names) * len(severities),
                       desc="corruptions") as bar:

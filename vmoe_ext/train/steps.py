@@ -14,11 +14,13 @@ import optax
 
 from vmoe_ext.classification import (cross_entropy, soft_targets,
                                      topk_correct)
-from vmoe_ext.data.mixup import check_config, mixup_jax
+from vmoe_ext.config.defaults import fill_defaults
+from vmoe_ext.data.mixup import mixup_jax
 from vmoe_ext.moe.contract import ROUTER_STATE
 from vmoe_ext.naming import (METRIC_PREFIX, PARAM_PATTERN,
                                     metric_key_of)
 from vmoe_ext.reporting.writers import MAX_ARRAY_SIZE
+from vmoe_ext.train.config import LOSSES, MIXUP
 from vmoe_ext.train.forward import forward_pass
 from vmoe_ext.train.state import TrainState
 
@@ -30,10 +32,6 @@ ROUTING_METRICS = ("drop_rate", "expert_load", "importance_loss", "load_loss",
                    "auxiliary_loss")
 
 
-# `train.loss`: vmoe's `get_loss_fn` names.
-LOSSES = ("softmax_xent", "sigmoid_xent")
-
-
 # Folded into the step key (`jax.random.fold_in`) for the mixup weights:
 # "mix" in ASCII. The gating and dropout keys stay the split of the step key,
 # so a run without mixup is bit-identical to one built without the argument.
@@ -41,23 +39,21 @@ MIXUP_KEY_DATA = 0x6d6978
 
 
 def mixup_options(mixup: Mapping[str, Any] | None) -> dict | None:
-  """The `mixup_jax` keyword arguments of a `train.mixup` section, or None
-  when mixup is off (no section, concentration 0 or None).
+  """The `mixup_jax` keyword arguments of a checked `train.mixup` section,
+  or None when mixup is off (no section, concentration 0 or None).
 
-  Fills vmoe's defaults (size 2, granularity "device") and resolves
-  `groups=None` to `jax.device_count()` (vmoe: one group per device), a
-  static value fixed when the step is built. Raises ConfigError (fields
-  relative to the section) on invalid fields.
+  Absent fields take the section's defaults (`train.config.MIXUP`: vmoe's
+  size 2, granularity "device"); `groups=None` resolves to
+  `jax.device_count()` (vmoe: one group per device), a static value fixed
+  when the step is built.
   """
-  if mixup is None:
+  mixup = fill_defaults(MIXUP, mixup)
+  if mixup is None or not mixup["concentration"]:
     return None
-  options = dict(concentration=mixup.get("concentration"),
-                 size=mixup.get("size", 2),
-                 granularity=mixup.get("granularity", "device"))
-  if not check_config(**options):
-    return None
-  groups = mixup.get("groups")
-  return dict(options, groups=jax.device_count() if groups is None else groups)
+  groups = mixup["groups"]
+  return dict(concentration=mixup["concentration"], size=mixup["size"],
+              granularity=mixup["granularity"],
+              groups=jax.device_count() if groups is None else groups)
 
 
 def routing_summary(metrics: dict[str, Any],
@@ -112,7 +108,7 @@ def make_train_step(model: nn.Module, *, label_smoothing: float = 0.0,
                     learning_rate_fn: Callable[[Array], Array] | None = None,
                     guard_weights: bool = True,
                     mixup: Mapping[str, Any] | None = None,
-                    loss_type: str = "softmax_xent"
+                    loss_type: str = LOSSES[0]
                     ) -> Callable[[TrainState, Batch], tuple[TrainState,
                                                              dict]]:
   """Returns `train_step(state, batch) -> (state, metrics)` (not jitted).
@@ -189,7 +185,7 @@ def make_train_step(model: nn.Module, *, label_smoothing: float = 0.0,
   return train_step
 
 
-def make_eval_step(model: nn.Module, loss_type: str = "softmax_xent"
+def make_eval_step(model: nn.Module, loss_type: str = LOSSES[0]
                    ) -> Callable[[TrainState, Batch], dict]:
   """Returns `eval_step(state, batch) -> sums` (not jitted); the summed
   `loss` is the run's `train.loss` (`cross_entropy`).
