@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import naive
+from grad_check import assert_grads_match_differences
 from sharded_check import one_vs_eight_devices
 from vmoe_ext.carving.grouping import (balanced_assignment,
                                        balanced_clusters, distances,
@@ -525,8 +526,12 @@ CMOE = {"name": "cmoe", "num_selected": 2, "bias_update_rate": 0.01}
 def test_cmoe_and_shared_experts_compose_under_jit_and_grad(router, stream,
                                                              shared):
   """The CMoE router under Symphony / ACMoE, with momentum streams, and
-  shared experts on SoftMoE: a training forward and backward under jit; the
-  bias (where there is one) moves, and the shared experts get gradients."""
+  shared experts on SoftMoE: a training forward and backward under jit. The
+  gradient is the float64 finite differences' (`grad_check`), shared experts
+  included; the bias moves by gamma against the mean of the selection counts
+  (NumPy, from the sown selections; with a zero graph Symphony falls back
+  to its base's top-K, and ACMoE selects with its base); plain CMoE selects
+  as the per-token NumPy router on the sown MoE input."""
   soft = router["name"] == "soft"
   config = dict(name="soft_moe_vit" if soft else "vit_moe", num_classes=3,
                 patch_size=(4, 4), hidden_size=8, num_layers=3, num_heads=2,
@@ -541,25 +546,56 @@ def test_cmoe_and_shared_experts_compose_under_jit_and_grad(router, stream,
   params["head"]["kernel"] = jax.random.normal(jax.random.key(4),
                                                params["head"]["kernel"].shape)
 
-  @jax.jit
-  def step(params, state):
-    def loss(p):
-      (logits, metrics), new = model.apply(
-          {"params": p, **state}, images, deterministic=False,
-          update_state=True, mutable=["router_state"],
-          rngs={"gating": jax.random.key(2), "dropout": jax.random.key(3)})
-      return jnp.sum(logits ** 2) + metrics["auxiliary_loss"], new
-    return jax.grad(loss, has_aux=True)(params)
+  def loss(p, state, m=model):
+    (logits, metrics), new = m.apply(
+        {"params": p, **state}, images, deterministic=False,
+        update_state=True, mutable=["router_state", "intermediates"],
+        rngs={"gating": jax.random.key(2), "dropout": jax.random.key(3)})
+    return jnp.sum(logits ** 2) + metrics["auxiliary_loss"], new
 
-  grads, new = step(params, variables)
+  grads, new = jax.jit(jax.grad(loss, has_aux=True))(params, variables)
+
+  def downstream(path):
+    """The leaves after the last routing decision (block 2's experts,
+    shared experts, CMoE combine scale, post-LayerNorm; the head): the loss
+    is smooth in them. Earlier ones move the top-K selections of a loss this
+    steep within any usable step (routers' gradients: test_models.py)."""
+    if path.startswith(("head/", "encoder_norm/")):
+      return True
+    if not path.startswith(("encoderblock_2/Moe/", "encoderblock_2/Stream/")):
+      return False
+    return "/router/" not in path or (path.endswith("/scale") and not soft)
+
+  model64 = model.clone(dtype=jnp.float64)
+  checked, _ = assert_grads_match_differences(
+      lambda p: loss(p, variables, model64)[0], params, grads,
+      only=downstream)
+  assert checked >= 10
   shared_grad = grads["encoderblock_2"]["Moe"]["SharedMlp"]["Dense_0"][
       "kernel"]
   assert np.abs(np.asarray(shared_grad)).sum() > 0
-  biases = [np.asarray(v) for path, v in flax_paths(new) if "bias" in path]
   if soft:
-    assert not biases
-  else:
-    assert biases and any(np.abs(b).sum() > 0 for b in biases)
+    assert not [p for p, _ in flax_paths(new) if p.endswith("bias")]
+    return
+  for i in (1, 2):
+    moe = new["intermediates"][f"encoderblock_{i}"]["Moe"]
+    selected = np.asarray(moe["selected_experts"][0])  # [B, T, K]
+    path = ["router"] + ["base"] * (router is not CMOE)
+    bias_state = new["router_state"][f"encoderblock_{i}"]["Moe"]
+    cmoe_params = params[f"encoderblock_{i}"]["Moe"]
+    for key in path:
+      bias_state, cmoe_params = bias_state[key], cmoe_params[key]
+    if router is CMOE:  # The selection itself, token by token.
+      x = np.asarray(moe["moe_input"][0]).reshape(-1, 8)
+      want, _ = naive.cmoe_route(x, cmoe_params["kernel"], None,
+                                 np.asarray(cmoe_params["scale"]),
+                                 np.zeros(4), 2, "gelu")
+      np.testing.assert_array_equal(selected.reshape(-1, 2), want)
+    counts = np.bincount(selected.ravel(), minlength=4)
+    want = 0.01 * np.sign(counts.mean() - counts)
+    assert np.any(want != 0)
+    np.testing.assert_allclose(np.asarray(bias_state["bias"]), want,
+                               rtol=1e-6, atol=0)
 
 
 def flax_paths(tree):
