@@ -12,9 +12,9 @@ import numpy as np
 import optax
 import pytest
 
+from eval_check import assert_final_metrics_match
 from grad_check import assert_grads_match_differences
 from resume_check import short_schedule, straight_vs_resumed
-from vmoe_ext.app import train as loop
 from vmoe_ext.errors import ConfigError
 from vmoe_ext.models import build_model
 from vmoe_ext.moe.contract import RoutingContext
@@ -397,22 +397,8 @@ def test_stream_state_trains_and_resumes_bit_identically(run, tmp_path):
   final, state = straight_vs_resumed(config, tmp_path, stop_at_step=3)
   # The final metrics against an independent evaluation of the restored
   # state: the model on every test example, NumPy cross-entropy and argmax.
-  ctx = loop.setup(config(), str(tmp_path / "eval"))
-  ctx.checkpoints.close()
-  apply = jax.jit(lambda images: ctx.model.apply(state.variables(),
-                                                 images)[0])
-  losses, correct = [], []
-  for batch in ctx.eval_batches():
-    logits = np.asarray(apply(batch["image"]), np.float64)
-    keep = np.asarray(batch["mask"], bool)
-    labels = np.asarray(batch["label"])
-    logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1))
-    logz += logits.max(-1)
-    losses += list((logz - logits[np.arange(len(labels)), labels])[keep])
-    correct += list((logits.argmax(-1) == labels)[keep])
-  assert final["num_examples"] == len(losses) == 355  # sklearn's digits.
-  assert final["accuracy"] == pytest.approx(np.mean(correct), abs=1e-9)
-  assert final["loss"] == pytest.approx(np.mean(losses), rel=1e-5)
+  assert_final_metrics_match(final, config(), state, str(tmp_path / "eval"))
+  assert final["num_examples"] == 355  # sklearn's digits test split.
   streams = [state.params[f"encoderblock_{i}"].get("Stream", {})
              for i in (0, 1)]
   own = {"momentum": {"mu_raw", "gamma_raw", "LayerNorm_2"},
