@@ -94,8 +94,8 @@ CONFIG = Section({
     "seed": SEED,
     "data": DATA,
     "model": MODEL,
+    "train": TRAIN,  # Before the optimizer, whose schedule follows it.
     "optimizer": OPTIMIZER,
-    "train": TRAIN,
     "robustness": ROBUSTNESS,
     "init": INIT,
     "carve": CARVE,

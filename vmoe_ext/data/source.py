@@ -68,9 +68,9 @@ class DataSource:
 
   @property
   def opened_training(self) -> bool:
-    """Whether the train split was loaded or a training iterator made (an
-    evaluation opens neither)."""
-    return self._splits is not None or self._train_iter is not None
+    """Whether a training iterator was made (an evaluation makes none; the
+    built-in datasets load both splits whenever one is read)."""
+    return self._train_iter is not None
 
   def _in_memory(self) -> dict[str, ArrayDataset]:
     if self._splits is None:
