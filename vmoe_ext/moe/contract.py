@@ -36,9 +36,10 @@ It returns a `RouterOutput`:
 balancing bias) lives in the collection `ROUTER_STATE` ("router_state"),
 like BatchNorm's "batch_stats": a router updates it only when
 `update_state=True`, and reduces the statistic it updates with
-`ctx.reduce_mean(value)`, which averages over `ctx.axis_name` (the model's
-`state_axis_name`, the data-parallel mesh/vmap/pmap axis) when one is given,
-so a data-parallel run equals the single-device run. It is saved with the
+`ctx.reduce_mean(value)` or `ctx.reduce_sum(value)`, which average or sum
+over `ctx.axis_name` (the model's `state_axis_name`, the data-parallel
+mesh/vmap/pmap axis) when one is given, so a data-parallel run equals the
+single-device run. It is saved with the
 train state. A router never touches expert weights.
 """
 
@@ -179,6 +180,12 @@ class RoutingContext:
       return value
     return jax.lax.pmean(value, self.axis_name)
 
+  def reduce_sum(self, value: Any) -> Any:
+    """Sum of `value` over the data-parallel axis (identity without one)."""
+    if self.axis_name is None:
+      return value
+    return jax.lax.psum(value, self.axis_name)
+
 
 def _accept_layer_index(init):
   """`RoutingContext(layer_index=i)`: the deprecated keyword of `block`,
@@ -267,14 +274,17 @@ class Router(nn.Module):
 
 
 class LinearLogits(nn.Module):
-  """Router logits `l = x W`, `W: [D, E]`, no bias; computed in `dtype`."""
+  """Router logits `l = x W (+ b)`, `W: [D, E]`, `b: [E]` (zeros at init)
+  only with `use_bias`; computed in `dtype`."""
   num_experts: int
   dtype: Any = jnp.float32
   kernel_init: Any = nn.initializers.lecun_normal()
+  use_bias: bool = False
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
     """x: `[G, S, D]` -> logits `[G, S, E]`."""
-    return nn.Dense(self.num_experts, use_bias=False, dtype=self.dtype,
-                    param_dtype=jnp.float32, kernel_init=self.kernel_init,
+    return nn.Dense(self.num_experts, use_bias=self.use_bias,
+                    dtype=self.dtype, param_dtype=jnp.float32,
+                    kernel_init=self.kernel_init,
                     name="dense")(x.astype(self.dtype))

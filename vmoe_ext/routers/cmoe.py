@@ -22,9 +22,9 @@ received more selections than the mean, up for every one that received
 fewer (DeepSeek-V3's auxiliary-loss-free balancing, as the authors' code
 does it after each training forward). The counts are of the K selections of
 every token of the batch, before capacity, summed over the data-parallel
-axis (`ctx.reduce_mean`: the mean over devices ranks experts as the sum
-does). Ties in `top_K` go to the lower expert index. There is no auxiliary
-loss.
+axis (`ctx.reduce_sum`); an expert exactly at the mean keeps its bias, a
+comparison made exactly in whole counts. Ties in `top_K` go to the lower
+expert index. There is no auxiliary loss.
 
 The pure functions `cmoe_scores`, `cmoe_top_k` and `balance_bias` are the
 method; `CMoERouter` is the thin linen wrapper that owns the weights and the
@@ -85,12 +85,16 @@ def cmoe_top_k(scores: Array, bias: Array, scale: Array, num_selected: int
 def balance_bias(bias: Array, counts: Array, rate: float) -> Array:
   """`b_e - rate` where `counts_e > mean(counts)`, `+ rate` where below.
 
-  `counts` `[E]` may be any positive multiple of the batch's selection
-  counts (e.g. their mean over devices); an expert exactly at the mean keeps
-  its bias.
+  `counts` `[E]` are whole selection counts (summed over the batch and the
+  devices). An expert exactly at the mean keeps its bias: the comparison is
+  `E * counts_e` against `sum(counts)`, exact for integer counts, never
+  against a rounded float mean (with E = 7 and counts summing to 168,
+  `mean` computes 24.000002 and would move an expert holding 24).
   """
-  mean = jnp.mean(counts)
-  step = jnp.where(counts > mean, -rate, jnp.where(counts < mean, rate, 0.0))
+  total = jnp.sum(counts)
+  scaled = counts * counts.shape[-1]
+  step = jnp.where(scaled > total, -rate,
+                   jnp.where(scaled < total, rate, 0.0))
   return bias + step.astype(bias.dtype)
 
 
@@ -107,7 +111,7 @@ class CMoERouter(Router):
   Attributes:
     num_selected: K, routed experts per token (CMoE's "A" in S{S}A{A}E{E}).
     activation: the score's activation, that of the carved MLP (`gelu`,
-      `relu`, or `swiglu`, which adds `up_kernel`).
+      `gelu_exact`, `relu`, or `swiglu`, which adds `up_kernel`).
     bias_update_rate: gamma of the balancing bias (1e-3, the paper's and the
       authors' default); 0 turns balancing off (the bias stays 0).
 
@@ -150,7 +154,7 @@ class CMoERouter(Router):
     routing, s = cmoe_top_k(scores, bias.value, scale, self.num_selected)
     counts = selection_counts(routing.expert_indices, e)
     if update_state and self.bias_update_rate > 0:
-      bias.value = balance_bias(bias.value, ctx.reduce_mean(counts),
+      bias.value = balance_bias(bias.value, ctx.reduce_sum(counts),
                                 self.bias_update_rate)
     metrics = {"auxiliary_loss": jnp.zeros((), jnp.float32),
                "bias_spread": jnp.max(bias.value) - jnp.min(bias.value)}
