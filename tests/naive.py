@@ -5,11 +5,17 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import scipy.special
 
 
 def gelu(x):
   """tanh-approximate GELU, as `flax.linen.gelu` (approximate=True)."""
   return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+
+
+def gelu_exact(x):
+  """The erf form `x Phi(x)` (torch's `nn.GELU()`), through scipy's erf."""
+  return 0.5 * x * (1 + scipy.special.erf(x / math.sqrt(2)))
 
 
 def silu(x):
@@ -33,6 +39,8 @@ def mlp(params, v, activation="gelu", expert=None):
     pre = v @ p["Dense_0/kernel"][:, i] + p["Dense_0/bias"][i]
     if activation == "gelu":
       h = gelu(pre)
+    elif activation == "gelu_exact":
+      h = gelu_exact(pre)
     elif activation == "relu":
       h = relu(pre)
     else:  # swiglu
@@ -89,26 +97,37 @@ def token_choice_kept(idx, valid, gates, num_experts, capacity,
   return kept
 
 
+def _keep(a):
+  return a
+
+
 def token_choice_moe(x, idx, gates, valid, num_experts, capacity, params,
-                     batch_priority=False):
-  """MoE output `[G, S, D]` of token-choice routing, token by token."""
+                     batch_priority=False, round_data=_keep):
+  """MoE output `[G, S, D]` of token-choice routing, token by token.
+
+  `round_data` is applied to each token before its expert and to each
+  expert output before it is weighted (bfloat16 dispatch); the weights and
+  sums stay exact."""
   x = np.asarray(x, np.float64)
   kept = token_choice_kept(idx, valid, gates, num_experts, capacity,
                            batch_priority)
   y = np.zeros_like(x)
   for g, s, k in np.ndindex(*idx.shape):
     if kept[g, s, k]:
-      y[g, s] += gates[g, s, k] * expert_mlp(params, idx[g, s, k], x[g, s])
+      out = expert_mlp(params, idx[g, s, k], round_data(x[g, s]))
+      y[g, s] += gates[g, s, k] * round_data(out)
   return y
 
 
-def expert_choice_moe(x, token_indices, weights, params):
-  """MoE output of expert-choice routing `[G, E, C]`, pick by pick."""
+def expert_choice_moe(x, token_indices, weights, params, round_data=_keep):
+  """MoE output of expert-choice routing `[G, E, C]`, pick by pick
+  (`round_data` as in `token_choice_moe`)."""
   x = np.asarray(x, np.float64)
   y = np.zeros_like(x)
   for g, e, c in np.ndindex(*token_indices.shape):
     s = token_indices[g, e, c]
-    y[g, s] += weights[g, e, c] * expert_mlp(params, e, x[g, s])
+    out = expert_mlp(params, e, round_data(x[g, s]))
+    y[g, s] += weights[g, e, c] * round_data(out)
   return y
 
 
@@ -126,16 +145,18 @@ def soft_routing(x, mu, scale, normalize_tokens=True):
   return dispatch, combine
 
 
-def soft_moe(x, dispatch, combine, params):
-  """SoftMoE output: slot inputs as weighted sums, outputs recombined."""
+def soft_moe(x, dispatch, combine, params, round_data=_keep):
+  """SoftMoE output: slot inputs as weighted sums, outputs recombined
+  (`round_data` on the tokens and on the slot outputs, not the weights)."""
   x = np.asarray(x, np.float64)
   g_, s_, e_, p_ = dispatch.shape
   y = np.zeros_like(x)
   for g in range(g_):
     for e in range(e_):
       for p in range(p_):
-        slot_in = sum(dispatch[g, s, e, p] * x[g, s] for s in range(s_))
-        slot_out = expert_mlp(params, e, slot_in)
+        slot_in = sum(dispatch[g, s, e, p] * round_data(x[g, s])
+                      for s in range(s_))
+        slot_out = round_data(expert_mlp(params, e, slot_in))
         for s in range(s_):
           y[g, s] += combine[g, s, e, p] * slot_out
   return y

@@ -146,13 +146,8 @@ def test_bfloat16_dispatch_matches_the_naive_loop_to_bfloat16_precision():
   np.testing.assert_allclose(outputs["bfloat16"], outputs[None], rtol=5e-2,
                              atol=5e-2)
   assert not np.array_equal(outputs["bfloat16"], outputs[None])
-  plan = make_dispatch_plan(
-      TokenChoiceRouting.create(jnp.zeros((1, 2, 1), jnp.int32),
-                                jnp.ones((1, 2, 1))),
-      num_experts=1, group_size=2, capacity=2, kind="einsum",
-      dtype=jnp.bfloat16)
-  assert plan.dispatcher.dispatch_weights.dtype == jnp.bfloat16
-  assert plan.dispatcher.combine_weights.dtype == jnp.bfloat16
+  # What exactly is rounded (the data, not the weights) is checked against
+  # a NumPy reference in tests/test_bfloat16_dispatch.py.
 
 
 def test_expert_choice_noise_std_is_noise_std_over_num_experts():

@@ -13,9 +13,12 @@ Soft routing (SoftMoE) is dense by construction: every slot is a weighted sum
 of all tokens, so both dispatcher names use the same weighted contraction.
 
 Plans and dispatchers are pytrees (static sizes are not leaves), so a
-`shard_map` or `jit` can take them as arguments. The dispatch/combine weights
-can be cast to a lower precision (`dtype=jnp.bfloat16`, as vmoe's configs
-do); the tokens and expert outputs are then contracted in that dtype.
+`shard_map` or `jit` can take them as arguments. `dtype=jnp.bfloat16` rounds
+the *data* (the tokens before dispatch, the expert outputs before combine) to
+bfloat16, as google's vmoe `Bfloat16Dispatcher` does (its configs ask for it;
+its SoftMoE router always does): the dispatch/combine weights stay float32
+and the contractions accumulate in float32, so the result is the exact
+float32 dispatch/combine of bfloat16-rounded data (`RoundedDispatcher`).
 
 Capacity rules for token choice (as vmoe): buffers are filled choice-major —
 every token's first choice before any token's second choice — and, within one
@@ -159,6 +162,29 @@ class ExpertGatherDispatcher:
     return out.reshape(self.num_groups, self.group_size, d)
 
 
+def round_to(x: Array, dtype: Any) -> Array:
+  """`x` rounded to `dtype` (round to nearest even) and cast back."""
+  return x.astype(dtype).astype(x.dtype)
+
+
+@flax.struct.dataclass
+class RoundedDispatcher:
+  """Rounds the data, not the weights, to `dtype` around a dispatcher.
+
+  vmoe's `Bfloat16Dispatcher`: `dispatch(x)` is the wrapped dispatch of
+  `x` rounded to `dtype`, `combine(y)` the wrapped combine of `y` rounded;
+  the wrapped dispatcher's weights and accumulation stay in `x`'s dtype.
+  """
+  dispatcher: Dispatcher
+  dtype: Any = flax.struct.field(pytree_node=False)
+
+  def dispatch(self, x: Array) -> Array:
+    return self.dispatcher.dispatch(round_to(x, self.dtype))
+
+  def combine(self, y: Array) -> Array:
+    return self.dispatcher.combine(round_to(y, self.dtype))
+
+
 # ----------------------------------------------------------------------------
 # Token-choice capacity assignment (shared by both dispatchers).
 # ----------------------------------------------------------------------------
@@ -204,15 +230,14 @@ def token_choice_positions(routing: TokenChoiceRouting, num_experts: int,
 
 
 def _token_choice_plan(routing: TokenChoiceRouting, num_experts: int,
-                       capacity: int, kind: str, batch_priority: bool,
-                       dtype: Any) -> DispatchPlan:
+                       capacity: int, kind: str, batch_priority: bool
+                       ) -> DispatchPlan:
   require(capacity is not None and capacity > 0, "capacity",
           f"token-choice dispatch needs a positive capacity, got {capacity}")
   position, kept = token_choice_positions(routing, num_experts, capacity,
                                           batch_priority)
   num_groups, group_size, _ = position.shape
-  gates = routing.gates if dtype is None else routing.gates.astype(dtype)
-  weights = jnp.where(kept, gates, 0)
+  weights = jnp.where(kept, routing.gates, 0)
   expert_one_hot = jax.nn.one_hot(routing.expert_indices, num_experts,
                                   dtype=jnp.float32)  # [G, S, K, E]
   kept_f = kept.astype(jnp.float32)
@@ -229,8 +254,7 @@ def _token_choice_plan(routing: TokenChoiceRouting, num_experts: int,
     dispatch_w = jnp.einsum("gske,gskc->gsec", where_kept, position_one_hot)
     combine_w = jnp.einsum("gske,gskc,gsk->gsec", where_kept, position_one_hot,
                            routing.gates.astype(jnp.float32))
-    dispatcher = EinsumDispatcher(dispatch_w.astype(dtype or jnp.float32),
-                                  combine_w.astype(gates.dtype))
+    dispatcher = EinsumDispatcher(dispatch_w, combine_w)
   else:
     num_slots = num_experts * num_groups * capacity
     group = jnp.arange(num_groups, dtype=jnp.int32)[:, None, None]
@@ -248,12 +272,12 @@ def _token_choice_plan(routing: TokenChoiceRouting, num_experts: int,
 
 
 def _expert_choice_plan(routing: ExpertChoiceRouting, num_experts: int,
-                        capacity: int, kind: str, batch_priority: bool,
-                        dtype: Any) -> DispatchPlan:
+                        capacity: int, kind: str, batch_priority: bool
+                        ) -> DispatchPlan:
   del num_experts, capacity, batch_priority  # Fixed by the routing's shape.
   num_groups, num_experts, capacity = routing.token_indices.shape
   group_size = routing.group_size
-  weights = routing.weights if dtype is None else routing.weights.astype(dtype)
+  weights = routing.weights
   picked = jax.nn.one_hot(routing.token_indices, group_size,
                           dtype=jnp.float32)  # [G, E, C, S]
   routed = jnp.any(picked > 0, axis=(1, 2))  # [G, S]
@@ -263,8 +287,7 @@ def _expert_choice_plan(routing: ExpertChoiceRouting, num_experts: int,
   if kind == "einsum":
     dispatch_w = picked.transpose(0, 3, 1, 2)  # [G, S, E, C]
     combine_w = dispatch_w * routing.weights[:, None].astype(jnp.float32)
-    dispatcher = EinsumDispatcher(dispatch_w.astype(dtype or jnp.float32),
-                                  combine_w.astype(weights.dtype))
+    dispatcher = EinsumDispatcher(dispatch_w, combine_w)
   else:
     group = jnp.arange(num_groups, dtype=jnp.int32)[:, None, None]
     source = (routing.token_indices + group * group_size).transpose(1, 0, 2)
@@ -278,18 +301,17 @@ def _expert_choice_plan(routing: ExpertChoiceRouting, num_experts: int,
 
 
 def _soft_plan(routing: SoftRouting, num_experts: int, capacity: int,
-               kind: str, batch_priority: bool, dtype: Any) -> DispatchPlan:
+               kind: str, batch_priority: bool) -> DispatchPlan:
   del num_experts, capacity, kind, batch_priority  # Dense by construction.
   _, _, num_experts, slots = routing.dispatch_weights.shape
-  cast = (lambda w: w) if dtype is None else (lambda w: w.astype(dtype))
-  dispatcher = EinsumDispatcher(cast(routing.dispatch_weights),
-                                cast(routing.combine_weights))
+  dispatcher = EinsumDispatcher(routing.dispatch_weights,
+                                routing.combine_weights)
   zero = jnp.zeros((), jnp.float32)
   return DispatchPlan(dispatcher, zero, jnp.ones((num_experts,), jnp.float32),
                       zero, jnp.ones((), jnp.float32), slots)
 
 
-# One planner per routing form: `(routing, E, C, kind, bpr, dtype) -> plan`.
+# One planner per routing form: `(routing, E, C, kind, bpr) -> plan`.
 PLANNERS: dict[type, Callable[..., DispatchPlan]] = {
     TokenChoiceRouting: _token_choice_plan,
     ExpertChoiceRouting: _expert_choice_plan,
@@ -315,12 +337,15 @@ def make_dispatch_plan(routing: Routing,
       whose capacity is fixed by the router's output shape).
     kind: "einsum" or "indices".
     batch_priority: batch-priority routing (token choice only).
-    dtype: dtype of the dispatch/combine weights (None: the routing's own,
-      float32); the tokens are contracted in the dtype they come in.
+    dtype: None, or the dtype the data is rounded to around dispatch and
+      combine (`RoundedDispatcher`; the weights stay float32).
   """
   del group_size
   DISPATCHERS.check(kind, field="dispatcher")
   planner = PLANNERS.get(type(routing))
   if planner is None:
     raise TypeError(f"unsupported routing type {type(routing).__name__}")
-  return planner(routing, num_experts, capacity, kind, batch_priority, dtype)
+  plan = planner(routing, num_experts, capacity, kind, batch_priority)
+  if dtype is None or jnp.dtype(dtype) == jnp.float32:
+    return plan
+  return plan.replace(dispatcher=RoundedDispatcher(plan.dispatcher, dtype))

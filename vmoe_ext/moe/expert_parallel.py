@@ -42,7 +42,7 @@ from jax.sharding import Mesh, PartitionSpec
 from vmoe_ext.errors import require
 from vmoe_ext.moe.dispatch import make_dispatch_plan
 from vmoe_ext.moe.experts import expert_dropout_keep, mlp_experts
-from vmoe_ext.moe.routing import Routing
+from vmoe_ext.moe.routing import Routing, SoftRouting
 
 Array = jax.Array
 
@@ -119,7 +119,9 @@ def expert_parallel_moe(ep: ExpertParallel, routing: Routing, tokens: Array,
     capacity: C for token choice (the routing's own for the others).
     dispatcher: "indices" or "einsum".
     batch_priority: batch-priority routing.
-    dispatch_dtype: dtype of the dispatch/combine weights (None: float32).
+    dispatch_dtype: None, or the dtype the data is rounded to around
+      dispatch and combine (the weights stay float32); the all-to-alls then
+      move the data in that dtype wherever that is exact.
     activation / dropout_rate / dtype: of the experts.
     dropout_rng: the experts' dropout key, None when deterministic.
 
@@ -141,17 +143,23 @@ def expert_parallel_moe(ep: ExpertParallel, routing: Routing, tokens: Array,
                                num_groups * slots, hidden, width)
   batch = PartitionSpec(ep.batch_axes)
   buffer = PartitionSpec(ep.expert_axis, ep.data_axes)
-  contract = dispatch_dtype or dtype
+  # Rounded dispatch: the expert outputs travel back in the rounded dtype
+  # (combine rounds them first, so this is exact); the dispatched buffers
+  # too, except SoftMoE's slot inputs (float32 weighted sums of tokens).
+  send = back = dtype
+  if dispatch_dtype is not None:
+    back = dispatch_dtype
+    send = dtype if isinstance(routing, SoftRouting) else dispatch_dtype
 
   def shard(tokens: Array, routing: Routing, params: Mapping[str, Any],
             keep: Optional[tuple[Array, Array]]):
     plan = plan_of(routing)
-    x = plan.dispatcher.dispatch(tokens.astype(contract))  # [E, Gl*C, D]
-    x = jax.lax.all_to_all(x, ep.expert_axis, 0, 1, tiled=True)
-    y = mlp_experts(params, x, activation=activation,
+    x = plan.dispatcher.dispatch(tokens.astype(dtype))  # [E, Gl*C, D]
+    x = jax.lax.all_to_all(x.astype(send), ep.expert_axis, 0, 1, tiled=True)
+    y = mlp_experts(params, x.astype(dtype), activation=activation,
                     dropout_rate=dropout_rate, dropout_keep=keep, dtype=dtype)
-    y = jax.lax.all_to_all(y, ep.expert_axis, 1, 0, tiled=True)
-    out = plan.dispatcher.combine(y.astype(contract))  # [Gl, S, D]
+    y = jax.lax.all_to_all(y.astype(back), ep.expert_axis, 1, 0, tiled=True)
+    out = plan.dispatcher.combine(y.astype(dtype))  # [Gl, S, D]
     axes = ep.batch_axes
     drop = (jax.lax.psum(plan.dropped, axes)
             / jnp.maximum(jax.lax.psum(plan.requested, axes), 1.0))

@@ -66,9 +66,11 @@ class MoeLayer(nn.Module):
     batch_priority: fill expert buffers by decreasing top-1 gate.
     dropout_rate: dropout inside the experts.
     expert_init: "independent" or "shared" expert initialisation.
-    dispatch_dtype: None (the routing's float32) or "bfloat16": dtype of the
-      dispatch/combine weights and of the token contraction (vmoe's configs
-      use bfloat16; its SoftMoE always does).
+    dispatch_dtype: None (float32 throughout) or "bfloat16": the data is
+      rounded to bfloat16 around dispatch and combine (the tokens before
+      dispatch, the expert outputs before combine) while the dispatch/combine
+      weights and the contractions stay float32, as vmoe's
+      `Bfloat16Dispatcher` (its configs ask for it; its SoftMoE always does).
     shared_experts: N_s, experts every token goes through with weight 1
       (DeepSeekMoE, CMoE), added to the routed output; held together as one
       dense MLP `SharedMlp` of width `N_s * hidden_size`, outside routing,
@@ -212,8 +214,8 @@ class MoeLayer(nn.Module):
                                 batch_priority=self.batch_priority,
                                 dtype=dtype)
       expert_outputs = experts(plan.dispatcher.dispatch(
-          tokens.astype(dtype or self.dtype)), deterministic=deterministic)
-      y = plan.dispatcher.combine(expert_outputs.astype(dtype or self.dtype))
+          tokens.astype(self.dtype)), deterministic=deterministic)
+      y = plan.dispatcher.combine(expert_outputs.astype(self.dtype))
       drop_rate, usage = plan.drop_rate, plan.expert_usage
     else:
       y, drop_rate, usage = experts(
