@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Mapping
 
 import numpy as np
+import scipy.special
 
 from vmoe_ext.moe.experts import GATED, check_activation
 
@@ -32,12 +33,17 @@ def _gelu(v: np.ndarray) -> np.ndarray:
                                   * (v + 0.044715 * v ** 3)))
 
 
+def _gelu_exact(v: np.ndarray) -> np.ndarray:
+  """The erf form `v Phi(v)` (torch's default `nn.GELU()`)."""
+  return 0.5 * v * (1.0 + scipy.special.erf(v / np.sqrt(2.0)))
+
+
 def _silu(v: np.ndarray) -> np.ndarray:
   return v / (1.0 + np.exp(-v))
 
 
-ACTIVATION_FNS = {"gelu": _gelu, "relu": lambda v: np.maximum(v, 0.0),
-                  "swiglu": _silu}
+ACTIVATION_FNS = {"gelu": _gelu, "gelu_exact": _gelu_exact,
+                  "relu": lambda v: np.maximum(v, 0.0), "swiglu": _silu}
 
 
 def activate(activation: str, pre: np.ndarray,

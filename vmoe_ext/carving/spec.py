@@ -28,7 +28,7 @@ from vmoe_ext.models.placement import resolve_moe_layers
 from vmoe_ext.moe.experts import ACTIVATIONS
 
 METHODS = ("cmoe", "random")
-CARVABLE_ACTIVATIONS = ("gelu", "relu", "swiglu")
+CARVABLE_ACTIVATIONS = ("gelu", "gelu_exact", "relu", "swiglu")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -211,9 +211,10 @@ class VisionTransformerMoe(nn.Module):
       (flax's default) for the q/k/v/out kernels.
     attention_qk_norm: LayerNorm (no bias) on queries and keys per head
       (flax's `normalize_qk`, vmoe's `attention_qk_norm`).
-    mlp_activation: "gelu" (ViT, the default), "relu", or "swiglu" (gated:
-      `silu(x W_0) * (x W_up)`, a third kernel `Dense_up`), for the dense
-      MLPs and the experts alike (`vmoe_ext.moe.experts`).
+    mlp_activation: "gelu" (ViT's tanh approximation, the default),
+      "gelu_exact" (the erf form, torch's `nn.GELU()`), "relu", or "swiglu"
+      (gated: `silu(x W_0) * (x W_up)`, a third kernel `Dense_up`), for the
+      dense MLPs and the experts alike (`vmoe_ext.moe.experts`).
     moe: None for a dense ViT, else a dict of `MOE_DEFAULTS` fields.
     stream: the residual stream `{"name": ..., **fields}` (`vmoe_ext.streams`;
       default plain), for the MoE blocks or, with `blocks="all"`, every block.

@@ -15,8 +15,9 @@ mirror the dense ViT MLP (`DenseMlp`: `Mlp/Dense_0/{kernel,bias}`,
 so a dense MLP initialises every expert with one rule
 (`(.*)/Moe/Mlp/(.*) -> \\1/Mlp/\\2`, see `vmoe_ext.train.initialization`).
 
-Activations (`ACTIVATIONS`): "gelu" and "relu" give `h = act(x W_0 + b_0)`;
-"swiglu" (Shazeer 2020, LLaMA's FFN) gives the gated
+Activations (`ACTIVATIONS`): "gelu" (the tanh approximation, ViT's and
+vmoe's), "gelu_exact" (the erf form `x Phi(x)`, torch's default `nn.GELU()`)
+and "relu" give `h = act(x W_0 + b_0)`; "swiglu" (Shazeer 2020, LLaMA's FFN) gives the gated
 `h = silu(x W_0 + b_0) * (x W_up + b_up)`: `Dense_0` is LLaMA's `gate_proj`,
 `Dense_up` its `up_proj`, `Dense_1` its `down_proj`.
 """
@@ -36,7 +37,9 @@ INIT_MODES = ("independent", "shared")
 # Name -> the activation of the first layer; gated ones multiply it by the
 # linear `Dense_up` branch.
 _ACTIVATION_FNS: dict[str, Callable[[Array], Array]] = {
-    "gelu": nn.gelu, "relu": nn.relu, "swiglu": nn.silu}
+    "gelu": nn.gelu,
+    "gelu_exact": lambda x: nn.gelu(x, approximate=False),
+    "relu": nn.relu, "swiglu": nn.silu}
 GATED = ("swiglu",)
 ACTIVATIONS = tuple(_ACTIVATION_FNS)
 

@@ -97,6 +97,9 @@ class CosineRouter(NoisyTopKRouter):
             f"must be a number > 0, got {self.temperature!r}")
     require(self.embedding_gain > 0, "router.embedding_gain",
             f"must be > 0, got {self.embedding_gain}")
+    require(not self.logits_bias, "router.logits_bias",
+            "the cosine router's logits `cos(x P, e) / tau` have no bias; "
+            "it is an option of the linear routers (noisy_topk, top_p)")
     super().__post_init__()
 
   def compute_logits(self, x: Array, ctx: RoutingContext) -> Array:

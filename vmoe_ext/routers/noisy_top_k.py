@@ -95,6 +95,10 @@ class NoisyTopKRouter(Router):
     noise_std: vmoe's convention; the actual std is `noise_std / E`. Noise is
       drawn from the "gating" rng stream in training only.
     renormalize_gates, importance_gates, *_loss_weight: see `noisy_top_k`.
+    logits_bias: add a learned bias `[E]` (starting at 0) to the linear
+      logits, `x W + b`: the gate of ACMoE's language-model code
+      (`--smoe-base`, a torch `Linear` with its bias). Off by default (V-MoE's
+      router has none).
     dtype: dtype of the router computation (float32 by default).
   """
   num_selected: int = 1
@@ -105,6 +109,7 @@ class NoisyTopKRouter(Router):
   load_loss_weight: float = 0.005
   gshard_loss_weight: float = 0.0
   z_loss_weight: float = 0.0
+  logits_bias: bool = False
   dtype: Any = jnp.float32
 
   def __post_init__(self):
@@ -116,6 +121,8 @@ class NoisyTopKRouter(Router):
     require(self.num_selected <= self.num_experts, "router.num_selected",
             f"K={self.num_selected} must be <= num_experts E="
             f"{self.num_experts}")
+    require(isinstance(self.logits_bias, bool), "router.logits_bias",
+            f"must be True or False, got {self.logits_bias!r}")
     require(self.noise_std >= 0, "router.noise_std",
             f"must be >= 0, got {self.noise_std}")
     require(self.importance_gates in IMPORTANCE_GATES,
@@ -134,7 +141,8 @@ class NoisyTopKRouter(Router):
   def compute_logits(self, x: Array, ctx: RoutingContext) -> Array:
     """`[G, S, D] -> [G, S, E]`; override to change the score function."""
     del ctx
-    return LinearLogits(self.num_experts, dtype=self.dtype, name="logits")(x)
+    return LinearLogits(self.num_experts, dtype=self.dtype,
+                        use_bias=self.logits_bias, name="logits")(x)
 
   @nn.compact
   def __call__(self, x: Array, ctx: RoutingContext, *, capacity: int,
