@@ -16,6 +16,19 @@ CACHE_DIR = os.path.join(tempfile.gettempdir(), f"vmoe_ext_jax_cache_{_RUN}")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", CACHE_DIR)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+# The tests' programs are tiny: compiling them is most of their time and
+# running them is not. LLVM's optimisation level 0 compiles them faster; XLA's
+# HLO passes (fusion, what is computed) run as always, and the results move
+# only at the rounding level (a default-model gradient: 0.5% of the entries by
+# at most 4e-7 of 1.5), which every test allows for: each compares within one
+# run or against an independent reference at a stated tolerance. The binary
+# (CI's default job) keeps the default level. Subprocesses inherit the flags.
+_FAST_COMPILE = ("--xla_backend_optimization_level=0",
+                 "--xla_llvm_disable_expensive_passes=true")
+os.environ["XLA_FLAGS"] = " ".join(
+    [os.environ.get("XLA_FLAGS", "")]
+    + [f for f in _FAST_COMPILE if f not in os.environ.get("XLA_FLAGS", "")]
+).strip()
 
 import jax  # noqa: E402  (after the cache settings above)
 import numpy as np  # noqa: E402

@@ -39,7 +39,7 @@ MODELS = {
 
 def _init(model):
   """Initial variables with a random (instead of zero) classifier head."""
-  variables = model.init({"params": jax.random.key(0)}, IMAGES)
+  variables = jax.jit(model.init)({"params": jax.random.key(0)}, IMAGES)
   params = dict(variables["params"])
   head = params["head"]
   params["head"] = {**head, "kernel": jax.random.normal(
@@ -81,8 +81,8 @@ def test_einsum_and_indices_models_agree(name):
   for kind in ("einsum", "indices"):
     model = build_model({**cfg, "moe": {**cfg["moe"], "dispatcher": kind}})
     params = _init(model)["params"]
-    outs[kind] = jax.value_and_grad(
-        lambda p, m=model: _loss(m, p, False, RNGS))(params)
+    outs[kind] = jax.jit(jax.value_and_grad(
+        lambda p, m=model: _loss(m, p, False, RNGS)))(params)
   chex.assert_trees_all_close(outs["einsum"], outs["indices"], atol=1e-5,
                               rtol=1e-5)
 
@@ -92,15 +92,13 @@ def test_einsum_and_indices_models_agree(name):
 def test_deterministic_mode_is_deterministic(name):
   model = build_model({**MODELS[name], "dropout_rate": 0.1})
   params = _init(model)["params"]
-  outs = [model.apply({"params": params}, IMAGES, deterministic=True,
-                      rngs={"gating": jax.random.key(i),
-                            "dropout": jax.random.key(i)})
-          for i in range(2)]
+  apply = jax.jit(lambda i, deterministic: model.apply(
+      {"params": params}, IMAGES, deterministic=deterministic,
+      rngs={"gating": jax.random.key(i), "dropout": jax.random.key(i)}),
+                  static_argnums=1)
+  outs = [apply(i, True) for i in range(2)]
   chex.assert_trees_all_equal(outs[0], outs[1])
-  train = [model.apply({"params": params}, IMAGES, deterministic=False,
-                       rngs={"gating": jax.random.key(i),
-                             "dropout": jax.random.key(i)})[0]
-           for i in range(2)]
+  train = [apply(i, False)[0] for i in range(2)]
   assert not np.allclose(train[0], train[1])
 
 
