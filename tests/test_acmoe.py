@@ -113,9 +113,9 @@ def test_no_gradient_through_the_scaling(rng):
   tokens = jnp.asarray(rng.normal(size=(9, D)), jnp.float32)
   idx, gates, valid = _previous(rng, 9, 2)
   opts = ac.resolve_options("paper", mix_k=2)
-  grad = jax.grad(lambda t: jnp.sum(ac.adaptive_scales(
+  grad = jax.jit(jax.grad(lambda t: jnp.sum(ac.adaptive_scales(
       t, jnp.asarray(idx), jnp.asarray(gates), jnp.asarray(valid),
-      num_clusters=E, opts=opts) * jnp.arange(D)))(tokens)
+      num_clusters=E, opts=opts) * jnp.arange(D))))(tokens)
   np.testing.assert_array_equal(np.asarray(grad), 0.0)
 
 
@@ -136,9 +136,11 @@ def test_router_scores_and_top_k_match_the_loop(rng, preset, base):
   router = build_router({"name": "acmoe", "normalization": preset,
                          "base": {"name": base, "num_selected": 2}}, E)
   xg = jnp.asarray(x).reshape(3, 4, D)
-  variables = router.init(jax.random.key(0), xg, ctx, capacity=8,
-                          deterministic=True)
-  out = router.apply(variables, xg, ctx, capacity=8, deterministic=True)
+  variables = jax.jit(lambda k: router.init(k, xg, ctx, capacity=8,
+                                            deterministic=True))(
+      jax.random.key(0))
+  out = jax.jit(lambda v: router.apply(v, xg, ctx, capacity=8,
+                                       deterministic=True))(variables)
   eps, clamp, mean = TABLE[preset, "mad"]
   w = naive.ac_cluster_weights(x.reshape(-1, D), idx[:, 0], E, "mad", eps,
                                clamp, mean)
@@ -188,9 +190,9 @@ def test_statistics_are_the_whole_batch_not_per_group(rng):
   cfg = {"name": "acmoe", "normalization": "swin",
          "base": {"name": "noisy_topk", "num_selected": 2}}
   grouped, whole = _ac_layer(cfg, group_size=4), _ac_layer(cfg, group_size=12)
-  variables = grouped.init(jax.random.key(1), x, ctx)
-  y4, _, _ = grouped.apply(variables, x, ctx)
-  y12, _, _ = whole.apply(variables, x, ctx)
+  variables = jax.jit(lambda k: grouped.init(k, x, ctx))(jax.random.key(1))
+  y4, _, _ = jax.jit(lambda v: grouped.apply(v, x, ctx))(variables)
+  y12, _, _ = jax.jit(lambda v: whole.apply(v, x, ctx))(variables)
   np.testing.assert_allclose(np.asarray(y4), np.asarray(y12), rtol=1e-6,
                              atol=1e-7)
   # Per-group statistics would differ: the groups' own MADs are not the
@@ -218,9 +220,10 @@ def test_data_parallel_statistics_equal_one_device():
             "base": {"name": "noisy_topk", "num_selected": 2}}
   images = jax.random.uniform(jax.random.key(0), (4, 8, 8, 1))
   single = _tiny_model(router)
-  variables = single.init(jax.random.key(1), images)
-  variables = jax.tree.map(lambda v: v + 0.3 * jax.random.normal(
-      jax.random.key(2), v.shape), variables)  # Non-zero head.
+  variables = jax.jit(single.init)(jax.random.key(1), images)
+  variables = jax.jit(lambda t: jax.tree.map(
+      lambda v: v + 0.3 * jax.random.normal(jax.random.key(2), v.shape),
+      t))(variables)  # Non-zero head.
   logits, _ = jax.jit(single.apply)(variables, images)
   shards = images.reshape(2, 2, 8, 8, 1)
   for axis_name, equal in (("data", True), (None, False)):
@@ -316,10 +319,11 @@ def test_random_diagonal_ablation_is_fixed_per_layer(rng):
   outs = []
   for layer in (1, 1, 2):
     ctx = _ctx(idx, gates, valid, 2, 6, block=layer)
-    v = router.init(jax.random.key(layer), x, ctx, capacity=8,
-                    deterministic=True)
-    outs.append(np.asarray(router.apply(v, x, ctx, capacity=8,
-                                        deterministic=True).expert_inputs))
+    v = jax.jit(lambda k, c=ctx: router.init(k, x, c, capacity=8,
+                                             deterministic=True))(
+        jax.random.key(layer))
+    outs.append(np.asarray(jax.jit(lambda v, c=ctx: router.apply(
+        v, x, c, capacity=8, deterministic=True).expert_inputs)(v)))
   np.testing.assert_array_equal(outs[0], outs[1])
   assert not np.allclose(outs[0], outs[2])
   diag = outs[0].reshape(-1, D) / np.asarray(x).reshape(-1, D)
@@ -341,8 +345,8 @@ def test_softmoe_variant_matches_the_naive_soft_moe(rng):
                      "base": {"name": "soft", "num_slots": p}},
                     group_size=None)
   xj = jnp.asarray(x)
-  variables = layer.init(jax.random.key(3), xj, ctx)
-  y, _, _ = layer.apply(variables, xj, ctx)
+  variables = jax.jit(lambda k: layer.init(k, xj, ctx))(jax.random.key(3))
+  y, _, _ = jax.jit(lambda v: layer.apply(v, xj, ctx))(variables)
   xn = x.astype(np.float64)
   xn = xn / np.sqrt((xn**2).sum(-1, keepdims=True) + 1e-6)
   w = naive.ac_cluster_weights(xn.reshape(-1, D), idx[:, 0], E, "mad", 0.35,
@@ -361,8 +365,11 @@ def test_plain_softmoe_dispatch_normalized(rng):
   x = rng.normal(size=(b, t, D)).astype(np.float32)
   layer = _ac_layer({"name": "soft", "num_slots": p,
                      "dispatch_normalized": True}, group_size=None)
-  variables = layer.init(jax.random.key(0), jnp.asarray(x), RoutingContext())
-  y, _, _ = layer.apply(variables, jnp.asarray(x), RoutingContext())
+  variables = jax.jit(lambda k: layer.init(k, jnp.asarray(x),
+                                           RoutingContext()))(
+      jax.random.key(0))
+  y, _, _ = jax.jit(lambda v: layer.apply(v, jnp.asarray(x),
+                                          RoutingContext()))(variables)
   xn = x.astype(np.float64)
   xn = xn / np.sqrt((xn**2).sum(-1, keepdims=True) + 1e-6)
   rp = variables["params"]["router"]

@@ -7,6 +7,7 @@ FFN / dense ViT the carving starts from, and `jax.grad`.
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import flax.linen as nn
@@ -40,7 +41,8 @@ D, H = 6, 12
 def _dense_mlp(activation, seed=0):
   """A dense MLP's params with visible biases, and its module."""
   module = DenseMlp(H, activation=activation)
-  params = module.init(jax.random.key(seed), jnp.zeros((1, D)))["params"]
+  params = jax.jit(module.init)(jax.random.key(seed),
+                                 jnp.zeros((1, D)))["params"]
   rng = np.random.default_rng(seed + 1)
   params = jax.tree.map(
       lambda a: np.asarray(a) + 0.3 * rng.standard_normal(a.shape).astype(
@@ -60,7 +62,7 @@ def _tokens(n, seed=2):
 def test_dense_mlp_matches_the_unit_loop(activation):
   module, params = _dense_mlp(activation)
   x = _tokens(5)
-  y = module.apply({"params": params}, x)
+  y = jax.jit(module.apply)({"params": params}, x)
   ref = np.stack([naive.mlp(params, v, activation) for v in x])
   np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)
   assert ("Dense_up" in params) == (activation == "swiglu")
@@ -72,10 +74,10 @@ def test_expert_mlps_match_the_unit_loop(activation, output_bias):
   module = MlpExperts(num_experts=3, hidden_size=4, activation=activation,
                       output_bias=output_bias)
   x = np.random.default_rng(0).standard_normal((3, 5, D)).astype(np.float32)
-  params = module.init(jax.random.key(0), x)["params"]
+  params = jax.jit(module.init)(jax.random.key(0), x)["params"]
   params = jax.tree.map(lambda a: a + 0.1, params)
   assert ("bias" in params["Dense_1"]) == output_bias
-  y = module.apply({"params": params}, x)
+  y = jax.jit(module.apply)({"params": params}, x)
   ref = np.stack([[naive.expert_mlp(params, e, v, activation) for v in x[e]]
                   for e in range(3)])
   np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)
@@ -97,11 +99,12 @@ def test_shared_experts_and_output_bias_against_the_token_loop(output_bias):
   layer = _layer(shared=2, output_bias=output_bias)
   x = jnp.asarray(np.random.default_rng(3).standard_normal((2, 5, D)),
                   jnp.float32)
-  variables = layer.init(jax.random.key(0), x, RoutingContext())
+  variables = jax.jit(lambda k: layer.init(k, x, RoutingContext()))(
+      jax.random.key(0))
   params = jax.tree.map(lambda a: a + 0.05, variables["params"])
   params["router"]["scale"] = jnp.asarray([0.5, -1.0, 2.0])
-  y, _, record = layer.apply({**variables, "params": params}, x,
-                             RoutingContext())
+  y, _, record = jax.jit(lambda v: layer.apply(v, x, RoutingContext()))(
+      {**variables, "params": params})
   assert params["SharedMlp"]["Dense_0"]["kernel"].shape == (D, 2 * 4)
   assert ("bias" in params) == (output_bias == "once")
   r = params["router"]
@@ -127,13 +130,15 @@ def test_cmoe_router_matches_the_token_loop(activation):
   router = CMoERouter(num_experts=5, num_selected=2, activation=activation)
   x = jnp.asarray(np.random.default_rng(4).standard_normal((2, 7, D)),
                   jnp.float32)
-  variables = router.init(jax.random.key(1), x, RoutingContext(), capacity=7,
-                          deterministic=True)
+  variables = jax.jit(lambda k: router.init(
+      k, x, RoutingContext(), capacity=7, deterministic=True))(
+          jax.random.key(1))
   scale = jnp.asarray([0.3, -0.7, 1.1, 0.0, 2.0])
   bias = jnp.asarray([0.0, 0.2, -0.1, 0.05, 0.0])
   params = {**variables["params"], "scale": scale}
-  out = router.apply({"params": params, "router_state": {"bias": bias}}, x,
-                     RoutingContext(), capacity=7, deterministic=True)
+  out = jax.jit(lambda v: router.apply(v, x, RoutingContext(), capacity=7,
+                                       deterministic=True))(
+      {"params": params, "router_state": {"bias": bias}})
   idx, w = naive.cmoe_route(np.asarray(x).reshape(-1, D), params["kernel"],
                             params.get("up_kernel"), np.asarray(scale),
                             np.asarray(bias), 2, activation)
@@ -146,10 +151,11 @@ def test_combine_weights_are_one_at_u_zero_and_u_gets_gradients():
   router = CMoERouter(num_experts=4, num_selected=3)
   x = jnp.asarray(np.random.default_rng(5).standard_normal((1, 9, D)),
                   jnp.float32)
-  variables = router.init(jax.random.key(0), x, RoutingContext(), capacity=9,
-                          deterministic=True)
-  out = router.apply(variables, x, RoutingContext(), capacity=9,
-                     deterministic=True)
+  variables = jax.jit(lambda k: router.init(
+      k, x, RoutingContext(), capacity=9, deterministic=True))(
+          jax.random.key(0))
+  out = jax.jit(lambda v: router.apply(v, x, RoutingContext(), capacity=9,
+                                       deterministic=True))(variables)
   np.testing.assert_array_equal(out.routing.gates, 1.0)
 
   def loss(params):
@@ -157,7 +163,7 @@ def test_combine_weights_are_one_at_u_zero_and_u_gets_gradients():
                      capacity=9, deterministic=True)
     return jnp.sum(o.routing.gates ** 2)
 
-  grads = jax.grad(loss)(variables["params"])
+  grads = jax.jit(jax.grad(loss))(variables["params"])
   # d/du_e of sum (1 + s_e u_e)^2 at u = 0 is 2 * sum of s_e over selections.
   s = jax.nn.softmax(jnp.abs(nn.gelu(x @ variables["params"]["kernel"])))
   sel = jax.nn.one_hot(out.routing.expert_indices, 4).sum(-2)
@@ -173,20 +179,25 @@ def test_bias_update_moves_load_toward_balance():
   router = CMoERouter(num_experts=3, num_selected=1, bias_update_rate=0.02)
   x = np.zeros((1, 9, D), np.float32)
   x[0, :, 0] = np.linspace(0.5, 2.5, 9)
-  variables = router.init(jax.random.key(0), x, RoutingContext(), capacity=9,
-                          deterministic=True)
+  variables = jax.jit(lambda k: router.init(
+      k, x, RoutingContext(), capacity=9, deterministic=True))(
+          jax.random.key(0))
   kernel = np.zeros((D, 3), np.float32)
   kernel[0, 0] = 1.0  # Expert 0 scores gelu(x_0) > 0, the others 0.
   params = {**variables["params"], "kernel": jnp.asarray(kernel)}
   state = {"bias": jnp.zeros(3)}
 
-  def step(state, update):
+  @functools.partial(jax.jit, static_argnums=1)
+  def route(state, update):
     out, new = router.apply({"params": params, "router_state": state}, x,
                             RoutingContext(), capacity=9, deterministic=False,
                             update_state=update, mutable=["router_state"])
-    counts = np.bincount(np.asarray(out.routing.expert_indices).ravel(),
-                         minlength=3)
-    return new["router_state"], counts
+    return out.routing.expert_indices, new["router_state"]
+
+  def step(state, update):
+    indices, new = route(state, update)
+    counts = np.bincount(np.asarray(indices).ravel(), minlength=3)
+    return new, counts
 
   same, counts = step(state, False)
   np.testing.assert_array_equal(same["bias"], 0.0)
@@ -325,14 +336,18 @@ def test_all_experts_active_carved_layer_equals_the_dense_mlp(activation):
                      activation=activation, activation_markers_k=2)
   layer = _layer(activation, shared=1, k=3, e=3, hidden=H // 4)
   xs = jnp.asarray(x[None])
-  fresh = layer.init(jax.random.key(0), xs, RoutingContext())
+  fresh = jax.jit(lambda k: layer.init(k, xs, RoutingContext()))(
+      jax.random.key(0))
   moe = moe_params(params, carved, activation)
-  y, _, _ = layer.apply({**fresh, "params": moe}, xs, RoutingContext())
-  np.testing.assert_allclose(y[0], module.apply({"params": params}, x),
+  y, _, _ = jax.jit(lambda v: layer.apply(v, xs, RoutingContext()))(
+      {**fresh, "params": moe})
+  np.testing.assert_allclose(y[0], jax.jit(module.apply)({"params": params},
+                                                         x),
                              rtol=1e-5, atol=1e-5)
   # Routing with fewer experts drops exactly the unselected experts' units.
   few = _layer(activation, shared=1, k=1, e=3, hidden=H // 4)
-  y1, _, rec = few.apply({**fresh, "params": moe}, xs, RoutingContext())
+  y1, _, rec = jax.jit(lambda v: few.apply(v, xs, RoutingContext()))(
+      {**fresh, "params": moe})
   for t, v in enumerate(x):
     e = int(rec.assignment.expert_indices[0, t, 0])
     units = np.concatenate([carved.shared, carved.experts[e]])
@@ -369,8 +384,8 @@ def _dense_vit(activation):
   model = build_model(config)
   images = np.random.default_rng(8).standard_normal((6, 8, 8, 1)).astype(
       np.float32)
-  params = jax.tree.map(np.asarray, model.init(jax.random.key(0),
-                                               images)["params"])
+  params = jax.tree.map(np.asarray, jax.jit(model.init)(
+      jax.random.key(0), images)["params"])
   params["head"]["kernel"] = np.random.default_rng(9).standard_normal(
       params["head"]["kernel"].shape).astype(np.float32)
   return config, model, params, images
@@ -385,10 +400,10 @@ def test_all_active_carved_vit_has_the_dense_logits(activation):
   result = carve_vit(config, params, images, spec)
   carved = build_model(result.model)
   assert carved.moe_layers == (0, 1, 2)
-  logits, _ = carved.apply({"params": result.params, **result.collections},
-                           images)
-  np.testing.assert_allclose(logits, model.apply({"params": params},
-                                                 images)[0],
+  logits, _ = jax.jit(carved.apply)(
+      {"params": result.params, **result.collections}, images)
+  np.testing.assert_allclose(logits, jax.jit(model.apply)({"params": params},
+                                                          images)[0],
                              rtol=1e-5, atol=1e-5)
   again = carve_vit(config, params, images, spec)  # Deterministic.
   jax.tree.map(np.testing.assert_array_equal, again.params, result.params)
@@ -430,8 +445,8 @@ def test_random_split_vit_keeps_a_fresh_router():
                    num_activated=1, method="random")
   result = carve_vit(config, params, images, spec)
   assert result.model["moe"]["router"]["name"] == "noisy_topk"
-  fresh = build_model(result.model).init(jax.random.key(spec.seed),
-                                          images[:1])["params"]
+  fresh = jax.jit(build_model(result.model).init)(jax.random.key(spec.seed),
+                                                   images[:1])["params"]
   for i in range(3):
     np.testing.assert_array_equal(
         result.params[f"encoderblock_{i}"]["Moe"]["router"]["logits"][
@@ -541,7 +556,7 @@ def test_cmoe_and_shared_experts_compose_under_jit_and_grad(router, stream,
                          router=router))
   model = build_model(config)
   images = jax.random.uniform(jax.random.key(0), (4, 8, 8, 1))
-  variables = model.init(jax.random.key(1), images)
+  variables = jax.jit(model.init)(jax.random.key(1), images)
   params = variables.pop("params")
   params["head"]["kernel"] = jax.random.normal(jax.random.key(4),
                                                params["head"]["kernel"].shape)

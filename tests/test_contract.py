@@ -64,12 +64,12 @@ def test_new_router_reads_context_and_keeps_state(follow_router):
       moe=dict(layers=(0, 2, 3), num_experts=3, capacity_factor=4.0,
                router={"name": "follow_previous"})))
   images = jnp.ones((2, 8, 8, 1))
-  variables = model.init(jax.random.key(0), images)
+  variables = jax.jit(model.init)(jax.random.key(0), images)
   assert int(variables["router_state"]["encoderblock_2"]["Moe"]["router"]
              ["calls"]) == 0
-  (_, _), state = model.apply(variables, images, deterministic=False,
-                              update_state=True,
-                              mutable=["intermediates", "router_state"])
+  (_, _), state = jax.jit(lambda v: model.apply(
+      v, images, deterministic=False, update_state=True,
+      mutable=["intermediates", "router_state"]))(variables)
   sown = state["intermediates"]
   first = sown["encoderblock_0"]["Moe"]["selected_experts"][0]
   np.testing.assert_array_equal(first[..., 0],
@@ -162,7 +162,7 @@ def test_v2_router_and_stream_plug_in_train_under_jit_and_grad(
     probe_components):
   model = _probe_model()
   images = jax.random.uniform(jax.random.key(0), (4, 8, 8, 1))
-  variables = model.init(jax.random.key(1), images)
+  variables = jax.jit(model.init)(jax.random.key(1), images)
   params, state = variables["params"], {"router_state":
                                          variables["router_state"]}
 
@@ -202,16 +202,17 @@ def test_v2_router_and_stream_plug_in_train_under_jit_and_grad(
 def test_router_state_changes_only_when_asked(probe_components):
   model = _probe_model()
   images = jax.random.uniform(jax.random.key(0), (4, 8, 8, 1))
-  variables = model.init(jax.random.key(1), images)
+  variables = jax.jit(model.init)(jax.random.key(1), images)
   variables = jax.tree.map(lambda v: v + 0.25, variables)
   for deterministic in (True, False):
-    _, new = model.apply(variables, images, deterministic=deterministic,
-                         rngs={"dropout": jax.random.key(2)},
-                         mutable=["router_state"])
+    _, new = jax.jit(lambda v, d=deterministic: model.apply(
+        v, images, deterministic=d, rngs={"dropout": jax.random.key(2)},
+        mutable=["router_state"]))(variables)
     chex.assert_trees_all_equal(new["router_state"],
                                 variables["router_state"])
-  _, new = model.apply(variables, images, deterministic=True,
-                       update_state=True, mutable=["router_state"])
+  _, new = jax.jit(lambda v: model.apply(
+      v, images, deterministic=True, update_state=True,
+      mutable=["router_state"]))(variables)
   assert not np.allclose(new["router_state"]["encoderblock_0"]["Moe"]
                          ["router"]["ema"], 0.25)
 
@@ -222,9 +223,9 @@ def test_router_state_reduced_over_the_data_axis_equals_one_device(
   exactly the single-device value: the statistic is averaged over the axis."""
   images = jax.random.uniform(jax.random.key(0), (4, 8, 8, 1))
   single = _probe_model()
-  variables = single.init(jax.random.key(1), images)
-  (logits, _), one = single.apply(variables, images, update_state=True,
-                                  mutable=["router_state"])
+  variables = jax.jit(single.init)(jax.random.key(1), images)
+  (logits, _), one = jax.jit(lambda v: single.apply(
+      v, images, update_state=True, mutable=["router_state"]))(variables)
   sharded = _probe_model(state_axis_name="data")
 
   def shard_apply(x):
@@ -232,7 +233,7 @@ def test_router_state_reduced_over_the_data_axis_equals_one_device(
                                            mutable=["router_state"])
     return shard_logits, new
 
-  shard_logits, many = jax.vmap(shard_apply, axis_name="data")(
+  shard_logits, many = jax.jit(jax.vmap(shard_apply, axis_name="data"))(
       images.reshape(2, 2, 8, 8, 1))
   # Every shard holds the same (reduced) state, equal to one device's.
   for shard in range(2):
@@ -249,11 +250,12 @@ def test_expert_inputs_are_what_the_experts_see(probe_components):
   layer = MoeLayer(router=router, hidden_size=5, group_size=4,
                    capacity_factor=2.0)
   x = jax.random.normal(jax.random.key(3), (2, 6, 4))
-  variables = layer.init(jax.random.key(4), x, RoutingContext())
+  variables = jax.jit(lambda k: layer.init(k, x, RoutingContext()))(
+      jax.random.key(4))
   ema = jnp.array([0.5, -1.0, 2.0, 0.0])
   variables = {**variables, "router_state": {"router": {"ema": ema}}}
-  (y, _, record), sown = layer.apply(variables, x, RoutingContext(),
-                                     mutable=["intermediates"])
+  (y, _, record), sown = jax.jit(lambda v: layer.apply(
+      v, x, RoutingContext(), mutable=["intermediates"]))(variables)
   xg = np.asarray(x).reshape(3, 4, 4)
   w = np.asarray(variables["params"]["router"]["dense"]["kernel"])
   logits = xg @ w
@@ -300,7 +302,7 @@ def test_stream_blocks_moe_or_all(probe_components):
               num_layers=3, num_heads=2, mlp_dim=8)
   images = jax.random.uniform(jax.random.key(0), (2, 8, 8, 1))
   plain = build_model(base)
-  variables = plain.init(jax.random.key(1), images)
+  variables = jax.jit(plain.init)(jax.random.key(1), images)
   # The head starts at zero; give it weights so logits see the encoder.
   head = variables["params"]["head"]
   head["kernel"] = jax.random.normal(jax.random.key(2), head["kernel"].shape)
@@ -331,6 +333,6 @@ def test_a_stream_must_make_exactly_one_primary_call(probe_components):
         num_layers=2, num_heads=2, mlp_dim=8,
         moe=dict(every=1, num_experts=2), stream={"name": "two_primaries"}))
     with pytest.raises(ValueError, match="2 primary"):
-      model.init(jax.random.key(0), jnp.zeros((1, 8, 8, 1)))
+      jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 8, 8, 1)))
   finally:
     del STREAMS.entries["two_primaries"]

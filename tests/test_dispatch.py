@@ -110,7 +110,7 @@ def test_drop_rate_and_usage_hand_case():
 
 def _experts(rng_key, e, d, h=6):
   module = MlpExperts(num_experts=e, hidden_size=h)
-  params = module.init(rng_key, jnp.zeros((e, 1, d)))
+  params = jax.jit(module.init)(rng_key, jnp.zeros((e, 1, d)))
   apply = lambda xe: module.apply(params, xe)
   return apply, params["params"]
 
@@ -143,14 +143,19 @@ def test_token_choice_dispatchers_match_naive_loop(rng, g, s, e, k, cf,
   expected = naive.token_choice_moe(x, idx, gates, valid, e, capacity, params,
                                     batch_priority)
   for kind in ("einsum", "indices"):
-    plan = make_dispatch_plan(routing, num_experts=e, group_size=s,
-                              capacity=capacity, kind=kind,
-                              batch_priority=batch_priority)
-    np.testing.assert_allclose(_run(plan, jnp.asarray(x), apply), expected,
-                               rtol=1e-5, atol=1e-5, err_msg=kind)
+    @jax.jit
+    def run(routing, x, kind=kind):
+      plan = make_dispatch_plan(routing, num_experts=e, group_size=s,
+                                capacity=capacity, kind=kind,
+                                batch_priority=batch_priority)
+      return _run(plan, x, apply), plan.drop_rate
+
+    y, drop_rate = run(routing, jnp.asarray(x))
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5,
+                               err_msg=kind)
     kept = naive.token_choice_kept(idx, valid, gates, e, capacity,
                                    batch_priority)
-    np.testing.assert_allclose(plan.drop_rate, 1 - kept.sum() / valid.sum(),
+    np.testing.assert_allclose(drop_rate, 1 - kept.sum() / valid.sum(),
                                rtol=1e-6)
 
 
@@ -166,8 +171,9 @@ def test_token_choice_dispatchers_have_equal_gradients(rng):
                               capacity=4, kind=kind)
     return jnp.sum(jnp.sin(_run(plan, x, apply)))
 
-  grads = {kind: jax.grad(loss, argnums=(0, 1))(jnp.asarray(x),
-                                                jnp.asarray(gates), kind)
+  grads = {kind: jax.jit(jax.grad(loss, argnums=(0, 1)),
+                         static_argnums=2)(jnp.asarray(x),
+                                           jnp.asarray(gates), kind)
            for kind in ("einsum", "indices")}
   chex.assert_trees_all_close(grads["einsum"], grads["indices"], atol=1e-5)
   assert float(jnp.abs(grads["indices"][1]).sum()) > 0
@@ -179,7 +185,8 @@ def test_expert_choice_dispatchers_match_naive_loop(rng, g, s, e, cf):
   d = 4
   logits = rng.normal(size=(g, s, e)).astype(np.float32)
   capacity = compute_capacity(s, 1, cf, e)
-  routing, _ = expert_choice(jnp.asarray(logits), capacity)
+  routing, _ = jax.jit(expert_choice, static_argnums=1)(jnp.asarray(logits),
+                                                        capacity)
   # Independent check of the picks: each expert's top-C tokens by gate.
   probs = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
   for gi, ei in np.ndindex(g, e):
@@ -192,14 +199,19 @@ def test_expert_choice_dispatchers_match_naive_loop(rng, g, s, e, cf):
   expected = naive.expert_choice_moe(x, np.asarray(routing.token_indices),
                                      np.asarray(routing.weights), params)
   for kind in ("einsum", "indices"):
-    plan = make_dispatch_plan(routing, num_experts=e, group_size=s,
-                              capacity=None, kind=kind)
-    np.testing.assert_allclose(_run(plan, jnp.asarray(x), apply), expected,
-                               rtol=1e-5, atol=1e-5, err_msg=kind)
+    @jax.jit
+    def run(routing, x, kind=kind):
+      plan = make_dispatch_plan(routing, num_experts=e, group_size=s,
+                                capacity=None, kind=kind)
+      return _run(plan, x, apply), plan.drop_rate
+
+    y, drop_rate = run(routing, jnp.asarray(x))
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5,
+                               err_msg=kind)
   picked = np.zeros((g, s), bool)
   for gi, ei in np.ndindex(g, e):
     picked[gi, np.asarray(routing.token_indices[gi, ei])] = True
-  np.testing.assert_allclose(plan.drop_rate, 1 - picked.mean(), rtol=1e-6)
+  np.testing.assert_allclose(drop_rate, 1 - picked.mean(), rtol=1e-6)
 
 
 def test_expert_choice_capacity_above_group_size_is_an_error():
@@ -242,10 +254,10 @@ def test_unknown_dispatcher_is_an_error():
 
 def test_expert_init_modes():
   module = MlpExperts(num_experts=3, hidden_size=5)
-  p = module.init(jax.random.key(0), jnp.zeros((3, 1, 4)))["params"]
+  p = jax.jit(module.init)(jax.random.key(0), jnp.zeros((3, 1, 4)))["params"]
   assert not np.allclose(p["Dense_0"]["kernel"][0], p["Dense_0"]["kernel"][1])
   shared = MlpExperts(num_experts=3, hidden_size=5, init_mode="shared")
-  p = shared.init(jax.random.key(0), jnp.zeros((3, 1, 4)))["params"]
+  p = jax.jit(shared.init)(jax.random.key(0), jnp.zeros((3, 1, 4)))["params"]
   np.testing.assert_array_equal(p["Dense_0"]["kernel"][0],
                                 p["Dense_0"]["kernel"][2])
   np.testing.assert_array_equal(p["Dense_1"]["kernel"][1],

@@ -183,8 +183,10 @@ def test_learnable_coefficients_follow_their_maps_and_ranges(layout):
   x, u, p = (jnp.asarray(rng.normal(size=(2, 3, 4)), jnp.float32)
              for _ in range(3))
   stream = HeavyBall(mu=0.7, gamma=1.3, learn="both", layout=layout)
-  variables = stream.init(jax.random.key(0), x, lambda z, **k: (u, None),
-                          {"p": p}, ctx=RoutingContext(), is_moe=True)
+  variables = jax.jit(lambda k: stream.init(
+      k, x, lambda z, **kw: (u, None), {"p": p}, ctx=RoutingContext(),
+      is_moe=True))(jax.random.key(0))
+  step = jax.jit(lambda v: _one_step(stream, v, x, u, p))
   params = variables["params"]
   assert math.tanh(float(params["mu_raw"])) == pytest.approx(0.7)
   assert float(jax.nn.softplus(params["gamma_raw"])) == pytest.approx(1.3)
@@ -193,7 +195,7 @@ def test_learnable_coefficients_follow_their_maps_and_ranges(layout):
     assert -1 < mu < 1 and gamma > 0
     new = {"params": dict(params, mu_raw=jnp.float32(mu_raw),
                           gamma_raw=jnp.float32(gamma_raw))}
-    got_x, got = _one_step(stream, new, x, u, p)
+    got_x, got = step(new)
     if layout == "paper":
       want_p = u + mu * p
       want_x = x + gamma * want_p
@@ -213,14 +215,15 @@ def test_gamma_linear_is_a_per_token_sigmoid():
   x, u, p = (jnp.asarray(rng.normal(size=(2, 3, 4)), jnp.float32)
              for _ in range(3))
   stream = HeavyBall(mu=0.7, learn="gamma_linear", layout="paper")
-  variables = stream.init(jax.random.key(0), x, lambda z, **k: (u, None),
-                          {"p": p}, ctx=RoutingContext(), is_moe=True)
+  variables = jax.jit(lambda k: stream.init(
+      k, x, lambda z, **kw: (u, None), {"p": p}, ctx=RoutingContext(),
+      is_moe=True))(jax.random.key(0))
   dense = variables["params"]["Dense_1"]
   np.testing.assert_allclose(jax.nn.sigmoid(dense["bias"]), 0.5)  # Init.
   kernel = jnp.asarray(rng.normal(size=(4, 1)) * 3, jnp.float32)
   bias = jnp.asarray([0.4], jnp.float32)
   new = {"params": {"Dense_1": {"kernel": kernel, "bias": bias}}}
-  got_x, _ = _one_step(stream, new, x, u, p)
+  got_x, _ = jax.jit(lambda v: _one_step(stream, v, x, u, p))(new)
   gamma = 1 / (1 + np.exp(-(np.asarray(x) @ np.asarray(kernel) + 0.4)))
   assert gamma.min() > 0 and gamma.max() < 1
   assert gamma.std() > 0.1  # Differs between tokens.
@@ -235,7 +238,7 @@ def test_learnable_coefficients_receive_gradients(learn, names):
   model = _model({"name": "momentum", "learn": learn, "layout": "paper"},
                  every=1)
   images = jax.random.normal(jax.random.key(1), (2, 8, 8, 1))
-  variables = model.init(jax.random.key(0), images)
+  variables = jax.jit(model.init)(jax.random.key(0), images)
   labels = jnp.array([0, 2])
 
   def loss(params):
@@ -245,7 +248,7 @@ def test_learnable_coefficients_receive_gradients(learn, names):
 
   params = dict(variables["params"])
   params["head"] = jax.tree.map(lambda w: w + 0.3, params["head"])
-  grads = jax.grad(loss)(params)
+  grads = jax.jit(jax.grad(loss))(params)
   for i in range(4):
     leaves = jax.tree_util.tree_leaves_with_path(
         grads[f"encoderblock_{i}"]["Stream"])
@@ -338,7 +341,7 @@ def test_every_stream_trains_under_jit_with_the_true_gradient(run):
   images = jax.random.uniform(jax.random.key(1), (2, 8, 8, 1))
   labels = jnp.array([3, 7])
   rngs = {"gating": jax.random.key(2), "dropout": jax.random.key(3)}
-  params = dict(model.init(jax.random.key(0), images)["params"])
+  params = dict(jax.jit(model.init)(jax.random.key(0), images)["params"])
   # The head starts at zero: a random one makes every leaf matter.
   params["head"] = dict(params["head"], kernel=jax.random.normal(
       jax.random.key(4), params["head"]["kernel"].shape))
