@@ -347,26 +347,36 @@ def test_pgd_auxiliary_loss_gradient_is_grad_of_ce_plus_aux():
     logits, aux = apply(z)
     return jnp.mean(attacks.cross_entropy(logits, y)) + jnp.mean(aux)
 
-  assert float(jnp.abs(apply(x)[1])) > 1e-3
-  obj = attacks.projected_gradient.objective
-  grad_on = jax.grad(obj, argnums=1)(apply, x, y, False, True)
-  grad_off = jax.grad(obj, argnums=1)(lambda z: apply(z)[0], x, y, False)
-  chex.assert_trees_all_close(grad_on, jax.grad(hand_ce_aux)(x), atol=1e-6)
-  chex.assert_trees_all_close(grad_off, jax.grad(hand_ce)(x), atol=1e-6)
+  obj = jax.grad(attacks.projected_gradient.objective, argnums=1)
+
+  @jax.jit  # One compilation, not op-by-op eager ones.
+  def at(z):
+    return dict(
+        aux=apply(z)[1], on=obj(apply, z, y, False, True),
+        off=obj(lambda z: apply(z)[0], z, y, False),
+        t=obj(apply, z, y, True, True), ce_aux=jax.grad(hand_ce_aux)(z),
+        ce=jax.grad(hand_ce)(z),
+        t_ref=jax.grad(lambda z: hand_ce_aux(z) - 2 * hand_ce(z))(z))
+
+  g = at(x)
+  assert float(jnp.abs(g["aux"])) > 1e-3
+  grad_on, grad_off = g["on"], g["off"]
+  chex.assert_trees_all_close(grad_on, g["ce_aux"], atol=1e-6)
+  chex.assert_trees_all_close(grad_off, g["ce"], atol=1e-6)
   assert float(jnp.max(jnp.abs(grad_on - grad_off))) > 1e-4
   # Targeted: the CE term flips, the auxiliary loss is still ascended.
-  grad_t = jax.grad(obj, argnums=1)(apply, x, y, True, True)
-  chex.assert_trees_all_close(
-      grad_t, jax.grad(lambda z: hand_ce_aux(z) - 2 * hand_ce(z))(x),
-      atol=1e-6)
+  grad_t = g["t"]
+  chex.assert_trees_all_close(grad_t, g["t_ref"], atol=1e-6)
 
   # The attacks themselves: vmoe's loop `x + eps/steps * sign(grad J)`.
   eps, steps = 0.1, 2
   expected = {True: x, False: x}
-  for aux, fn in ((True, hand_ce_aux), (False, hand_ce)):
-    for _ in range(steps):
-      expected[aux] = expected[aux] + eps / steps * jnp.sign(
-          jax.grad(fn)(expected[aux]))
+  grads = jax.jit(lambda a, b: {True: jax.grad(hand_ce_aux)(a),
+                                False: jax.grad(hand_ce)(b)})
+  for _ in range(steps):
+    grad = grads(expected[True], expected[False])
+    for aux in (True, False):
+      expected[aux] = expected[aux] + eps / steps * jnp.sign(grad[aux])
   for aux in (True, False):
     fn = apply if aux else (lambda z: apply(z)[0])
     got = attacks.pgd(fn, x, y, eps=eps, steps=steps, vmoe_compatible=True,
@@ -376,7 +386,7 @@ def test_pgd_auxiliary_loss_gradient_is_grad_of_ce_plus_aux():
   fgsm_aux = attacks.make_attack(dict(
       name="fgsm", eps=0.1, include_auxiliary_loss=True))(apply, x, y)
   chex.assert_trees_all_close(fgsm_aux, jnp.clip(
-      x + 0.1 * jnp.sign(jax.grad(hand_ce_aux)(x)), 0.0, 1.0), atol=1e-6)
+      x + 0.1 * jnp.sign(g["ce_aux"]), 0.0, 1.0), atol=1e-6)
 
 
 def test_evaluator_passes_auxiliary_loss_to_the_attack():
@@ -394,8 +404,9 @@ def test_evaluator_passes_auxiliary_loss_to_the_attack():
   chex.assert_trees_all_close(off, attacks.pgd(
       ev.logits_fn, x, y, eps=0.1, steps=2, vmoe_compatible=True), atol=1e-6)
   assert not np.allclose(on, off)
-  logits, aux = ev.logits_and_aux_fn(x)
-  np.testing.assert_allclose(logits, ev.logits_fn(x), atol=1e-6)
+  (logits, aux), plain = jax.jit(  # One compilation, not op-by-op eager.
+      lambda z: (ev.logits_and_aux_fn(z), ev.logits_fn(z)))(x)
+  np.testing.assert_allclose(logits, plain, atol=1e-6)
   assert aux.shape == ()
 
 

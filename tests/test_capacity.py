@@ -66,18 +66,20 @@ def test_eval_capacity_factor_applies_to_deterministic_calls_only():
   high, _ = _vmoe(capacity_factor=4.0)
   plain, _ = _vmoe(capacity_factor=0.25)
   images = jax.random.normal(jax.random.key(0), (2, 16, 16, 1))
-  variables = low.init(jax.random.key(1), images)
+  variables = jax.jit(low.init)(jax.random.key(1), images)
   rngs = {"gating": jax.random.key(2), "dropout": jax.random.key(3)}
+  # Each pair of applies jitted: one compilation, not op-by-op eager ones.
+  evaluate = jax.jit(lambda v, x: [m.apply(v, x, deterministic=True)
+                                   for m in (low, high)])
+  train = jax.jit(lambda v, x, r: [
+      m.apply(v, x, deterministic=False, rngs=r) for m in (low, plain)])
   # Evaluation: exactly the model built with cf 4 (nothing dropped).
-  got, metrics = low.apply(variables, images, deterministic=True)
-  want, _ = high.apply(variables, images, deterministic=True)
+  (got, metrics), (want, _) = evaluate(variables, images)
   assert float(metrics["layer_1"]["drop_rate"]) == 0.0
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   # Training: the training cf (C = ceil(34 * 2 * 0.25 / 4) = 5 of 17
   # tokens' selections per expert: most are dropped).
-  got, metrics = low.apply(variables, images, deterministic=False, rngs=rngs)
-  want, want_metrics = plain.apply(variables, images, deterministic=False,
-                                   rngs=rngs)
+  (got, metrics), (want, want_metrics) = train(variables, images, rngs)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   assert float(metrics["layer_1"]["drop_rate"]) == float(
       want_metrics["layer_1"]["drop_rate"]) > 0.5

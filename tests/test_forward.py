@@ -41,23 +41,27 @@ def setup():
   labels = rng.integers(0, 7, 8).astype(np.int32)
   variables = jax.jit(model.init)(jax.random.key(0), images)
   variables = {k: v for k, v in variables.items() if k != "intermediates"}
-  variables["params"] = jax.tree.map(  # A non-trivial head and routers.
+  variables["params"] = jax.jit(lambda p: jax.tree.map(
+      # A non-trivial head and routers.
       lambda v: v + 0.3 * jax.random.normal(jax.random.key(2), v.shape),
-      variables["params"])
+      p))(variables["params"])
   return model, variables, images, labels
 
 
 def _reference(model, variables, x):
-  """`model.apply` by hand: deterministic, with the sown intermediates."""
-  (logits, metrics), state = model.apply(variables, x, deterministic=True,
-                                         mutable=["intermediates"])
+  """`model.apply` by hand: deterministic, with the sown intermediates
+  (jitted: one compilation, not op-by-op eager ones)."""
+  (logits, metrics), state = jax.jit(lambda v, x: model.apply(
+      v, x, deterministic=True, mutable=["intermediates"]))(variables, x)
   return logits, metrics, state["intermediates"]
 
 
 def test_forward_pass_is_model_apply(setup):
   model, variables, images, _ = setup
   logits, metrics, sown = _reference(model, variables, images)
-  out = forward_pass(model, variables, images, intermediates=True)
+  # Jitted like `_reference`: one compilation each, not op-by-op eager ones.
+  out = jax.jit(lambda v, x: forward_pass(model, v, x, intermediates=True))(
+      variables, images)
   np.testing.assert_array_equal(out.logits, logits)
   jax.tree.map(np.testing.assert_array_equal, out.metrics, metrics)
   assert sorted(out.moe) == ["encoderblock_1", "encoderblock_3"]
@@ -65,7 +69,7 @@ def test_forward_pass_is_model_apply(setup):
     for name in ("expert_mask", "selected_experts", "moe_input"):
       np.testing.assert_array_equal(values[name],
                                     sown[block]["Moe"][name][0])
-  plain = forward_pass(model, variables, images)
+  plain = jax.jit(lambda v, x: forward_pass(model, v, x))(variables, images)
   np.testing.assert_array_equal(plain.logits, logits)
   assert plain.moe == {}
   # Dense blocks sow nothing of the MoE layer's and are left out.
@@ -85,9 +89,9 @@ def test_normalisation_and_jit_on_one_device(setup):
   np.testing.assert_array_equal(logits, want[0])
   np.testing.assert_array_equal(aux, want[1]["auxiliary_loss"])
   # No mean/std: the images as they are.
-  np.testing.assert_array_equal(
-      Forward(model).logits(variables, images),
-      model.apply(variables, images, deterministic=True)[0])
+  np.testing.assert_array_equal(*jax.jit(lambda v, x: (  # One compilation.
+      Forward(model).logits(v, x),
+      model.apply(v, x, deterministic=True)[0]))(variables, images))
   with pytest.raises(ValueError, match="both mean and std"):
     Forward(model, mean=MEAN)
 

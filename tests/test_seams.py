@@ -76,9 +76,11 @@ def test_layer_record_is_token_major_and_independent_of_grouping(router):
     layer = MoeLayer(router=build_router(router, num_experts=e),
                      hidden_size=4, group_size=group_size,
                      capacity_factor=1.0)
-    variables = layer.init(jax.random.key(1), x, RoutingContext())
-    (_, _, record), sown = layer.apply(variables, x, RoutingContext(),
-                                       mutable=["intermediates"])
+    # Jitted: one compilation each, not op-by-op eager ones.
+    variables = jax.jit(lambda k, x: layer.init(k, x, RoutingContext()))(
+        jax.random.key(1), x)
+    (_, _, record), sown = jax.jit(lambda v, x: layer.apply(
+        v, x, RoutingContext(), mutable=["intermediates"]))(variables, x)
     records.append(record)
     mask = sown["intermediates"]["expert_mask"][0]  # [B, T, E]
     a = record.assignment
@@ -139,8 +141,11 @@ def test_bfloat16_dispatch_matches_the_naive_loop_to_bfloat16_precision():
     layer = MoeLayer(router=build_router(cfg, num_experts=e), hidden_size=5,
                      group_size=6, capacity_factor=1.0, dispatch_dtype=dtype,
                      dispatcher="einsum")
-    variables = layer.init(jax.random.key(1), x, RoutingContext())
-    outputs[dtype] = layer.apply(variables, x, RoutingContext())[0]
+    # Jitted: one compilation each, not op-by-op eager ones.
+    variables = jax.jit(lambda k, x: layer.init(k, x, RoutingContext()))(
+        jax.random.key(1), x)
+    outputs[dtype] = jax.jit(lambda v, x: layer.apply(
+        v, x, RoutingContext())[0])(variables, x)
   assert outputs["bfloat16"].dtype == jnp.float32  # Cast back to x's dtype.
   # bfloat16 keeps 8 bits of mantissa: agreement to ~1e-2, not better.
   np.testing.assert_allclose(outputs["bfloat16"], outputs[None], rtol=5e-2,
@@ -156,23 +161,28 @@ def test_expert_choice_noise_std_is_noise_std_over_num_experts():
   e, noise_std, s = 2, 1.5, 4096
   router = ExpertChoiceRouter(num_experts=e, noise_std=noise_std)
   x = jnp.ones((1, s, 3))
-  params = jax.tree.map(jnp.zeros_like, router.init(
-      jax.random.key(0), x, RoutingContext(), capacity=s, deterministic=True))
-  routing = router.apply(params, x, RoutingContext(), capacity=s,
-                         deterministic=False,
-                         rngs={"gating": jax.random.key(1)}).routing
+  # Jitted: one compilation each, not op-by-op eager ones.
+  params = jax.tree.map(jnp.zeros_like, jax.jit(lambda k, x: router.init(
+      k, x, RoutingContext(), capacity=s, deterministic=True))(
+          jax.random.key(0), x))
+
+  def noisy(r):
+    return jax.jit(lambda v, x, k: r.apply(
+        v, x, RoutingContext(), capacity=s, deterministic=False,
+        rngs={"gating": k}).routing)
+
+  routing = noisy(router)(params, x, jax.random.key(1))
   weights, _ = routing._token_weights()  # pylint: disable=protected-access
   log_ratio = np.log(weights[0, :, 0]) - np.log(weights[0, :, 1])
   np.testing.assert_allclose(np.std(log_ratio), np.sqrt(2) * noise_std / e,
                              rtol=0.05)
-  quiet = router.apply(params, x, RoutingContext(), capacity=s,
-                       deterministic=True).routing
+  quiet = jax.jit(lambda v, x: router.apply(
+      v, x, RoutingContext(), capacity=s, deterministic=True).routing)(
+          params, x)
   np.testing.assert_allclose(quiet.weights, 0.5)
   # The default adds no noise, as before.
   plain = ExpertChoiceRouter(num_experts=e)
-  routing = plain.apply(params, x, RoutingContext(), capacity=s,
-                        deterministic=False,
-                        rngs={"gating": jax.random.key(1)}).routing
+  routing = noisy(plain)(params, x, jax.random.key(1))
   np.testing.assert_allclose(routing.weights, 0.5)
 
 
@@ -182,10 +192,13 @@ def test_vmoe_capacity_rounding_reaches_the_layer():
     layer = MoeLayer(router=NoisyTopKRouter(num_experts=8, num_selected=2),
                      hidden_size=2, capacity_factor=1.1,
                      capacity_rounding=rounding)
-    variables = layer.init(jax.random.key(0), x, RoutingContext())
+    # Jitted: one compilation each, not op-by-op eager ones.
+    variables = jax.jit(lambda k, x: layer.init(k, x, RoutingContext()))(
+        jax.random.key(0), x)
     assert variables["params"]["Mlp"]["Dense_0"]["kernel"].shape == (8, 4, 2)
     assert compute_capacity(800, 2, 1.1, 8, rounding=rounding) == expected
-    (_, metrics, _) = layer.apply(variables, x, RoutingContext())
+    (_, metrics, _) = jax.jit(lambda v, x: layer.apply(
+        v, x, RoutingContext()))(variables, x)
     # Zero tokens: all logits tie, every token picks experts 0 and 1, which
     # keep C choices each of the 1,600.
     np.testing.assert_allclose(metrics["drop_rate"], 1 - 2 * expected / 1600,

@@ -90,12 +90,14 @@ def test_first_update_counts_the_noisy_base_selection_in_the_model():
                   "base": {"name": "noisy_topk", "num_selected": 2,
                            "noise_std": 2.0}})
   images = jax.random.uniform(jax.random.key(0), (4, 8, 8, 1))
-  variables = model.init(jax.random.key(1), images)
-  (_, metrics), new = model.apply(
-      variables, images, deterministic=False, update_state=True,
-      rngs={"gating": jax.random.key(5)},
-      mutable=["router_state", "intermediates"])
-  _, clean = model.apply(variables, images, mutable=["intermediates"])
+  # Jitted: one compilation each, not op-by-op eager ones.
+  variables = jax.jit(model.init)(jax.random.key(1), images)
+  (_, metrics), new = jax.jit(lambda v, x, k: model.apply(
+      v, x, deterministic=False, update_state=True, rngs={"gating": k},
+      mutable=["router_state", "intermediates"]))(
+          variables, images, jax.random.key(5))
+  _, clean = jax.jit(lambda v, x: model.apply(
+      v, x, mutable=["intermediates"]))(variables, images)
   differs = 0
   for block in ("encoderblock_1", "encoderblock_3"):
     assert float(metrics[f"layer_{block[-1]}"]["symphony_fallback"]) == 1
@@ -184,7 +186,7 @@ def test_trained_graph_frozen_under_evaluation_and_attacks():
   images = jax.random.uniform(jax.random.key(0), (4, 8, 8, 1))
   labels = jnp.array([0, 1, 2, 0])
   import optax
-  state = TrainState.create(model.init(jax.random.key(1), images),
+  state = TrainState.create(jax.jit(model.init)(jax.random.key(1), images),
                             optax.adam(1e-2), jax.random.key(2))
   step = jax.jit(make_train_step(model))
   selected = []
@@ -202,7 +204,7 @@ def test_trained_graph_frozen_under_evaluation_and_attacks():
                              atol=1e-7)
   evaluator = Evaluator(model, state.variables(), 0.0, 1.0)
   before = jax.tree.map(np.asarray, state.collections)
-  logits = evaluator.logits_fn(images)
+  logits = jax.jit(evaluator.logits_fn)(images)  # Not op-by-op eager.
   adv = evaluator.attack({"name": "pgd", "eps": 0.1, "steps": 2})(
       images, labels, jax.random.key(3))
   assert float(jnp.abs(adv - images).max()) > 0
@@ -211,7 +213,7 @@ def test_trained_graph_frozen_under_evaluation_and_attacks():
   # The evaluation reads the trained graph: another graph, other logits.
   other = jax.tree.map(jnp.zeros_like, state.collections)
   zero = Evaluator(model, {"params": state.params, **other}, 0.0, 1.0)
-  assert not np.allclose(zero.logits_fn(images), logits)
+  assert not np.allclose(jax.jit(zero.logits_fn)(images), logits)
 
 
 def test_checkpoint_resume_bit_identical_with_acmoe_base(tmp_path):
@@ -372,11 +374,14 @@ def test_both_dispatchers_agree(router):
     layer = MoeLayer(router=ROUTERS.build(router, num_experts=E),
                      hidden_size=8, group_size=5, capacity_factor=1.0,
                      dispatcher=dispatcher)
-    variables = layer.init(jax.random.key(1), x, RoutingContext())
+    # Jitted: one compilation each, not op-by-op eager ones.
+    variables = jax.jit(lambda k, x: layer.init(k, x, RoutingContext()))(
+        jax.random.key(1), x)
     graph = jax.random.uniform(jax.random.key(2), (E, E))
     variables = {**variables, "router_state": {"router": {"adjacency":
                                                           graph}}}
-    outs.append(layer.apply(variables, x, RoutingContext())[0])
+    outs.append(jax.jit(lambda v, x: layer.apply(v, x, RoutingContext())[0])(
+        variables, x))
   np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6)
 
 

@@ -54,8 +54,9 @@ def test_sigmoid_loss_in_the_train_and_eval_steps():
   state = TrainState.create(variables, make_optimizer(config.optimizer),
                             jax.random.key(1))
   gating, dropout = jax.random.split(state.step_key())
-  logits, metrics = model.apply(variables, images, deterministic=False,
-                                rngs={"gating": gating, "dropout": dropout})
+  logits, metrics = jax.jit(lambda v, x, r: model.apply(
+      v, x, deterministic=False, rngs=r))(
+          variables, images, {"gating": gating, "dropout": dropout})
   want = numpy_loss(logits, np.eye(10)[labels], "sigmoid_xent").mean()
   step = jax.jit(steps.make_train_step(model, loss_type="sigmoid_xent"))
   _, out = step(state, {"image": images, "label": labels})
@@ -65,7 +66,8 @@ def test_sigmoid_loss_in_the_train_and_eval_steps():
                              rtol=1e-5)
   # Evaluation sums the same loss over the real (masked) examples.
   mask = np.arange(B) < B - 3
-  eval_logits, _ = model.apply(variables, images, deterministic=True)
+  eval_logits, _ = jax.jit(lambda v, x: model.apply(
+      v, x, deterministic=True))(variables, images)
   sums = jax.jit(steps.make_eval_step(model, "sigmoid_xent"))(
       state, {"image": images, "label": labels, "mask": mask})
   want = numpy_loss(eval_logits, np.eye(10)[labels], "sigmoid_xent")
