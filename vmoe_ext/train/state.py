@@ -75,19 +75,22 @@ class TrainState:
 
     Traceable (no host sync): `finite` is a bool scalar array. The step always
     advances; on a non-finite step params, optimizer state and collections
-    stay as they were (selected leaf by leaf with `jnp.where`, so a finite
-    step returns exactly `updated`'s values) and the step is counted in
+    stay as they were (one `lax.cond` picks the whole tree, so a finite step
+    returns exactly `updated`'s values) and the step is counted in
     `nonfinite_count` / `first_nonfinite_step`.
     """
-    keep = lambda new, old: jnp.where(finite, new, old)
     step = self.step + 1
     bad = jnp.logical_not(finite)
+    # One conditional, not a select per leaf: XLA would fuse the reduction
+    # behind `finite` into every leaf's select (hundreds of copies, a 6x
+    # larger program that compiles 5x slower).
+    params, opt_state, collections = jax.lax.cond(
+        finite, lambda new, old: new, lambda new, old: old,
+        (updated.params, updated.opt_state, updated.collections),
+        (self.params, self.opt_state, self.collections))
     return self.replace(
-        step=step,
-        params=jax.tree.map(keep, updated.params, self.params),
-        opt_state=jax.tree.map(keep, updated.opt_state, self.opt_state),
-        collections=jax.tree.map(keep, updated.collections,
-                                 self.collections),
+        step=step, params=params, opt_state=opt_state,
+        collections=collections,
         nonfinite_count=self.nonfinite_count + bad.astype(jnp.int32),
         first_nonfinite_step=jnp.where(
             bad & (self.nonfinite_count == 0), step,
