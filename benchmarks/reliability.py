@@ -166,6 +166,8 @@ CASES: list[Case] = [
                 "model.moe.capacity_rounding"),
     config_file("router-noise-std", "c.model.moe.router.noise_std = -1.0",
                 "model.moe.router.noise_std"),
+    config_file("router-logits-bias", "c.model.moe.router.logits_bias = 1",
+                "model.moe.router.logits_bias"),
     config_file("moe-layers", 'moe = c.model.moe.to_dict()\n'
                 'del moe["every"]\nmoe["layers"] = (5,)\nc.model.moe = moe',
                 "model.moe.layers"),
@@ -396,6 +398,8 @@ CASES: list[Case] = [
     valid("optimizer.end_learning_rate=1e-5"),
     valid("optimizer.b1=0.8"),
     valid("model.mlp_activation=swiglu"),
+    valid("model.mlp_activation=gelu_exact"),
+    valid("model.moe.router.logits_bias=True"),
     valid("model.moe.shared_experts=1"),
     valid("model.moe.output_bias=once"),
     valid("train.mixup.concentration=0.2"),
