@@ -74,6 +74,9 @@ class DispatchPlan:
     dropped / requested: scalars, the counts behind `drop_rate` (dropped
       over requested, with at least 1 requested), so that shards of a batch
       give the whole batch's drop rate (`vmoe_ext.moe.expert_parallel`).
+    copies_tokens: every buffer slot holds one token or zeros (token and
+      expert choice), so dispatched data is exact in the dtype the tokens
+      were rounded to; False where slots mix tokens (soft routing).
   """
   dispatcher: Dispatcher
   drop_rate: Array
@@ -81,6 +84,7 @@ class DispatchPlan:
   dropped: Array
   requested: Array
   capacity: int = flax.struct.field(pytree_node=False)
+  copies_tokens: bool = flax.struct.field(pytree_node=False, default=True)
 
 
 # ----------------------------------------------------------------------------
@@ -308,7 +312,8 @@ def _soft_plan(routing: SoftRouting, num_experts: int, capacity: int,
                                 routing.combine_weights)
   zero = jnp.zeros((), jnp.float32)
   return DispatchPlan(dispatcher, zero, jnp.ones((num_experts,), jnp.float32),
-                      zero, jnp.ones((), jnp.float32), slots)
+                      zero, jnp.ones((), jnp.float32), slots,
+                      copies_tokens=False)
 
 
 # One planner per routing form: `(routing, E, C, kind, bpr) -> plan`.

@@ -42,7 +42,7 @@ from jax.sharding import Mesh, PartitionSpec
 from vmoe_ext.errors import require
 from vmoe_ext.moe.dispatch import make_dispatch_plan
 from vmoe_ext.moe.experts import expert_dropout_keep, mlp_experts
-from vmoe_ext.moe.routing import Routing, SoftRouting
+from vmoe_ext.moe.routing import Routing
 
 Array = jax.Array
 
@@ -135,7 +135,8 @@ def expert_parallel_moe(ep: ExpertParallel, routing: Routing, tokens: Array,
   plan_of = lambda r: make_dispatch_plan(
       r, num_experts=num_experts, group_size=group_size, capacity=capacity,
       kind=dispatcher, batch_priority=batch_priority, dtype=dispatch_dtype)
-  slots = jax.eval_shape(plan_of, routing).capacity
+  shape = jax.eval_shape(plan_of, routing)
+  slots = shape.capacity
   keep = None
   if dropout_rng is not None and dropout_rate > 0:
     hidden = params["Dense_0"]["kernel"].shape[-1]
@@ -145,11 +146,9 @@ def expert_parallel_moe(ep: ExpertParallel, routing: Routing, tokens: Array,
   buffer = PartitionSpec(ep.expert_axis, ep.data_axes)
   # Rounded dispatch: the expert outputs travel back in the rounded dtype
   # (combine rounds them first, so this is exact); the dispatched buffers
-  # too, except SoftMoE's slot inputs (float32 weighted sums of tokens).
-  send = back = dtype
-  if dispatch_dtype is not None:
-    back = dispatch_dtype
-    send = dtype if isinstance(routing, SoftRouting) else dispatch_dtype
+  # too where the plan copies rounded tokens (not SoftMoE's weighted sums).
+  back = dispatch_dtype or dtype
+  send = back if shape.copies_tokens else dtype
 
   def shard(tokens: Array, routing: Routing, params: Mapping[str, Any],
             keep: Optional[tuple[Array, Array]]):
