@@ -17,6 +17,8 @@ import sys
 import textwrap
 from typing import Any
 
+from fake_devices import fake_devices_env
+
 _SHARDED = textwrap.dedent("""
     import json, sys
     import jax, jax.numpy as jnp, numpy as np
@@ -52,8 +54,7 @@ _SHARDED = textwrap.dedent("""
 """)
 
 def one_vs_eight_devices(router: dict[str, Any]) -> tuple[list, list]:
-  env = {**os.environ, "XLA_FLAGS":
-         "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+  env = fake_devices_env(8)
   out = subprocess.run([sys.executable, "-c", _SHARDED, json.dumps(router)],
                        env=env, capture_output=True, text=True, timeout=300,
                        check=False)

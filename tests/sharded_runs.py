@@ -1,9 +1,10 @@
 """Expert-parallel runs on a mesh of 8 fake CPU devices vs one device.
 
-`start(shape)` launches this file as a script in a subprocess with
+`start(shapes)` launches this file as a script in a subprocess with
 `XLA_FLAGS=--xla_force_host_platform_device_count=8` (set before jax is
-imported, so it cannot run in the pytest process) for one mesh shape
-`(data, expert)`; `result(proc)` waits for it and returns its JSON report.
+imported, so it cannot run in the pytest process) for the mesh shapes
+`(data, expert)`; `result(proc)` waits for it and returns its JSON report
+of each mesh.
 
 For every case of `cases()` the mesh runs (`MESH_CASES`; tiny 2-block
 V-MoEs, both blocks MoE, E=8 experts, 16 images of 17 tokens, one routing
@@ -31,9 +32,9 @@ result shapes, and how many have the shape of an expert weight), and how
 the expert weights are split after the step.
 
 One program per case and placement (the forward, the gradients and the step
-together) keeps the compile time, most of the run, down. Same seeds in
-every subprocess: the initial variables (and the one-device results) are
-the same for every mesh.
+together) keeps the compile time, most of the run, down. Each case's
+initial variables and one-device results are computed once and compared
+with every mesh that runs the case.
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ import json
 import os
 import subprocess
 import sys
-from typing import Any
+from typing import Any, Sequence
+
+from fake_devices import fake_devices_env
 
 MESHES = ((8, 1), (4, 2), (1, 8))
 # The cases each mesh runs. (4, 2) splits both the batch and the experts:
@@ -102,26 +105,26 @@ def cases() -> dict[str, dict[str, Any]]:
   }
 
 
-def start(shape: tuple[int, int]) -> subprocess.Popen:
-  """Runs this script for the mesh `shape` in a subprocess (not waited).
+def start(shapes: Sequence[tuple[int, int]] = MESHES) -> subprocess.Popen:
+  """Runs this script for the meshes `shapes` in one subprocess (not waited).
 
-  It inherits the environment, so the test suite's persistent compilation
-  cache (`tests/conftest.py`): the one-device programs, the same for every
-  mesh, compile once when the meshes run one after the other. LLVM's
-  optimisation level 0 more than halves the compile time, most of this
-  script's; the one-device and mesh programs are compiled alike.
+  One process runs every mesh: jax starts once and each case's one-device
+  program compiles and runs once. It inherits the environment, so the test
+  suite's XLA flags (LLVM's optimisation level 0 more than halves the compile
+  time, most of this script's) and its persistent compilation cache; the
+  one-device and mesh programs are compiled alike.
   """
-  flags = " ".join(filter(None, [
-      os.environ.get("XLA_FLAGS"), "--xla_force_host_platform_device_count=8",
-      "--xla_backend_optimization_level=0"]))
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
   return subprocess.Popen(
-      [sys.executable, os.path.abspath(__file__), json.dumps(list(shape))],
-      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+      [sys.executable, os.path.abspath(__file__),
+       json.dumps([list(s) for s in shapes])],
+      env=fake_devices_env(8), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+      text=True)
 
 
-def result(proc: subprocess.Popen, timeout: float = 600) -> dict[str, Any]:
-  """The JSON report of a `start`ed subprocess (AssertionError on failure)."""
+def result(proc: subprocess.Popen, timeout: float = 600
+           ) -> dict[tuple[int, int], dict[str, Any]]:
+  """The reports of a `start`ed subprocess, by mesh shape (AssertionError
+  on failure)."""
   try:
     out, err = proc.communicate(timeout=timeout)
   except subprocess.TimeoutExpired:
@@ -129,14 +132,15 @@ def result(proc: subprocess.Popen, timeout: float = 600) -> dict[str, Any]:
     out, err = proc.communicate()
     raise AssertionError(f"timed out after {timeout}s:\n{err[-3000:]}")
   assert proc.returncode == 0, err[-5000:]
-  return json.loads(out.strip().splitlines()[-1])
+  reports = json.loads(out.strip().splitlines()[-1])
+  return {tuple(r["mesh"]): r for r in reports}
 
 
 # --------------------------------------------------------------------------
 # The subprocess.
 
 
-def _main(shape: tuple[int, int]) -> dict[str, Any]:
+def _main(shapes: Sequence[tuple[int, int]]) -> list[dict[str, Any]]:
   import re
   import time
 
@@ -153,9 +157,10 @@ def _main(shape: tuple[int, int]) -> dict[str, Any]:
 
   jax.config.update("jax_default_matmul_precision", "highest")
   assert jax.device_count() == 8, jax.devices()
-  part = Partitioning.from_config({"axes": ("data", "expert"),
-                                   "shape": shape})
-  assert part.expert_parallel is not None
+  parts = {shape: Partitioning.from_config({"axes": ("data", "expert"),
+                                            "shape": shape})
+           for shape in shapes}
+  assert all(p.expert_parallel is not None for p in parts.values())
 
   images = np.asarray(jax.random.uniform(jax.random.key(0),
                                          (BATCH, IMAGE, IMAGE, 3)))
@@ -237,65 +242,66 @@ def _main(shape: tuple[int, int]) -> dict[str, Any]:
     print(f"{label}: {now - last[0]:.2f}s", file=sys.stderr, flush=True)
     last[0] = now
 
-  x_many = jax.device_put(images, part.batch)
-  report: dict[str, Any] = {"mesh": list(shape), "cases": {}, "seconds": {}}
+  reports = {shape: {"mesh": list(shape), "cases": {}, "seconds": {}}
+             for shape in shapes}
   for name, cfg in cases().items():
-    if name not in MESH_CASES[shape]:
+    meshes = [shape for shape in shapes if name in MESH_CASES[shape]]
+    if not meshes:
       continue
     t0 = time.perf_counter()
     one_model = build_model(cfg)
-    many_model = build_model(cfg, expert_parallel=part.expert_parallel)
     variables = jax.jit(one_model.init)(jax.random.key(3), images[:2])
     variables.pop("intermediates", None)
     state = TrainState.create(perturbed(variables), tx, jax.random.key(6))
-    lap(f"{name} init")
-
     s1, m1 = jax.jit(with_forward(one_model))(state, batch)
-    lap(f"{name} one device")
-    step_many = part.jit_train_step(with_forward(many_model), state)
-    # A copy first: `part.shard` leaves device 0's shard of replicated
-    # leaves aliasing the input's buffer, and the step donates its state.
-    sn, mn = step_many(part.shard(jax.tree.map(jnp.copy, state)),
-                       part.global_batch(batch))
-    lap(f"{name} mesh")
-
-    diffs: dict[str, Any] = {}
-    diffs["forward/logits"] = diff(m1["forward"]["logits"],
-                                   mn["forward"]["logits"])
-    many_metrics = flat(mn)
-    for k, v in flat(m1).items():
-      if k != "forward/logits":
-        diffs[k] = diff(v, many_metrics[k])
-    diffs["step/grads"] = diff(s1.opt_state, sn.opt_state)
-    diffs["step/params"] = diff(s1.params, sn.params)
-    diffs["step/collections"] = diff(s1.collections, sn.collections)
-    diffs["step/counters"] = diff(
-        (s1.step, s1.nonfinite_count, s1.first_nonfinite_step),
-        (sn.step, sn.nonfinite_count, sn.first_nonfinite_step))
-
-    # The compiled (deterministic) forward on the mesh.
+    one_metrics = flat(m1)
+    reference = {
+        "drop_rate": {k: float(v) for k, v in one_metrics.items()
+                      if k.endswith("drop_rate")},
+        "collections": sorted(flat(s1.collections))}
     expert_shapes = {tuple(v.shape) for k, v in flat(state.params).items()
                      if "/Moe/Mlp/" in "/" + k}
-    many_vars = part.shard(state.variables())
-    compiled = jax.jit(lambda v, x: many_model.apply(v, x)).lower(
-        many_vars, x_many).compile()
-    hlo = hlo_report(compiled.as_text(), expert_shapes)
-    hlo["moe_layers"] = len(many_model.moe_layers)
-    hlo["expert_weight_specs"] = sorted({
-        str(tuple(v.sharding.spec)) for k, v in
-        jax.tree_util.tree_leaves_with_path(sn.params)
-        if "/Moe/Mlp/" in "/" + path_name(k)})
-    lap(f"{name} forward hlo")
-    report["cases"][name] = {
-        "diffs": diffs, "hlo": hlo,
-        "reference": {
-            "drop_rate": {k: float(v) for k, v in flat(m1).items()
-                          if k.endswith("drop_rate")},
-            "collections": sorted(flat(s1.collections)),
-        }}
-    report["seconds"][name] = round(time.perf_counter() - t0, 2)
-  return report
+    lap(f"{name} one device")
+    for shape in meshes:
+      part = parts[shape]
+      many_model = build_model(cfg, expert_parallel=part.expert_parallel)
+      step_many = part.jit_train_step(with_forward(many_model), state)
+      # A copy first: `part.shard` leaves device 0's shard of replicated
+      # leaves aliasing the input's buffer, and the step donates its state.
+      sn, mn = step_many(part.shard(jax.tree.map(jnp.copy, state)),
+                         part.global_batch(batch))
+      lap(f"{name} mesh {shape}")
 
+      diffs: dict[str, Any] = {}
+      diffs["forward/logits"] = diff(m1["forward"]["logits"],
+                                     mn["forward"]["logits"])
+      many_metrics = flat(mn)
+      for k, v in one_metrics.items():
+        if k != "forward/logits":
+          diffs[k] = diff(v, many_metrics[k])
+      diffs["step/grads"] = diff(s1.opt_state, sn.opt_state)
+      diffs["step/params"] = diff(s1.params, sn.params)
+      diffs["step/collections"] = diff(s1.collections, sn.collections)
+      diffs["step/counters"] = diff(
+          (s1.step, s1.nonfinite_count, s1.first_nonfinite_step),
+          (sn.step, sn.nonfinite_count, sn.first_nonfinite_step))
+
+      # The compiled (deterministic) forward on the mesh.
+      many_vars = part.shard(state.variables())
+      compiled = jax.jit(lambda v, x, m=many_model: m.apply(v, x)).lower(
+          many_vars, jax.device_put(images, part.batch)).compile()
+      hlo = hlo_report(compiled.as_text(), expert_shapes)
+      hlo["moe_layers"] = len(many_model.moe_layers)
+      hlo["expert_weight_specs"] = sorted({
+          str(tuple(v.sharding.spec)) for k, v in
+          jax.tree_util.tree_leaves_with_path(sn.params)
+          if "/Moe/Mlp/" in "/" + path_name(k)})
+      lap(f"{name} forward hlo {shape}")
+      reports[shape]["cases"][name] = {
+          "diffs": diffs, "hlo": hlo, "reference": reference}
+    for shape in meshes:  # The whole case (one device and all its meshes).
+      reports[shape]["seconds"][name] = round(time.perf_counter() - t0, 2)
+  return list(reports.values())
 
 if __name__ == "__main__":
-  print(json.dumps(_main(tuple(json.loads(sys.argv[1])))))
+  print(json.dumps(_main([tuple(s) for s in json.loads(sys.argv[1])])))

@@ -27,6 +27,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from fake_devices import fake_devices_env
 import naive
 from vmoe_ext.moe import MoeLayer, compute_capacity
 from vmoe_ext.moe.dispatch import RoundedDispatcher, make_dispatch_plan
@@ -181,8 +182,7 @@ def test_expert_parallel_path_rounds_as_the_reference():
   """On a (2, 4) mesh of fake CPU devices, the expert-parallel layer with
   bfloat16 dispatch (its all-to-alls carrying bfloat16 where exact) against
   the same reference, for the variables every process initialises alike."""
-  env = {**os.environ, "JAX_PLATFORMS": "cpu",
-         "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+  env = fake_devices_env(8)
   proc = subprocess.run(
       [sys.executable, "-c", _EXPERT_PARALLEL, json.dumps(sorted(ROUTERS)),
        os.path.dirname(__file__)], env=env, capture_output=True, text=True,

@@ -28,6 +28,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from fake_devices import without_device_count
+
 from vmoe_ext.reporting.writers import read_metrics
 from vmoe_ext.train.workdir import WorkdirLock
 
@@ -35,7 +37,9 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
 LAUNCHER = os.path.join(ROOT, "scripts", "launch_local.py")
 ENV = {**os.environ, "CI": "1", "JAX_PLATFORMS": "cpu"}
-ENV.pop("XLA_FLAGS", None)
+# The launcher sets each process's device count; the suite's other XLA flags
+# (fast compilation) are kept.
+ENV["XLA_FLAGS"] = without_device_count(ENV.get("XLA_FLAGS", ""))
 
 _spec = importlib.util.spec_from_file_location("launch_local", LAUNCHER)
 launch_local = importlib.util.module_from_spec(_spec)

@@ -40,12 +40,13 @@ def test_metric_keys_are_block_indices():
       moe=dict(layers=(1, 3), num_experts=2,
                router=dict(name="noisy_topk", num_selected=1))))
   x = jnp.zeros((2, 8, 8, 1))
-  variables = model.init(jax.random.key(0), x)
+  # Shapes only: the names are all this checks.
+  variables = jax.eval_shape(model.init, jax.random.key(0), x)
   assert sorted(variables["params"]) == sorted(
       [naming.param_name(i) for i in range(4)] + ["cls", "embedding",
                                                   "encoder_norm", "head",
                                                   "pos_embedding"])
-  _, metrics = model.apply(variables, x)
+  _, metrics = jax.eval_shape(model.apply, variables, x)
   assert {k for k in metrics if k != "auxiliary_loss"} == {"layer_1",
                                                           "layer_3"}
   assert "Moe" in variables["params"]["encoderblock_1"]
@@ -69,13 +70,18 @@ def test_moe_layer_record_keyword_is_a_deprecated_alias_of_primary():
                    hidden_size=4)
   x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 3, 4)),
                   jnp.float32)
-  variables = layer.init(jax.random.key(0), x, RoutingContext())
+  variables = jax.jit(lambda x: layer.init(jax.random.key(0), x,
+                                           RoutingContext()))(x)
+
+  def apply(**flag):  # The warning is raised while tracing.
+    return jax.jit(lambda v, x: layer.apply(
+        v, x, RoutingContext(), mutable=["intermediates"], **flag))(
+            variables, x)
+
   for primary in (True, False):
-    new, sown_new = layer.apply(variables, x, RoutingContext(),
-                                primary=primary, mutable=["intermediates"])
+    new, sown_new = apply(primary=primary)
     with pytest.warns(DeprecationWarning, match="primary"):
-      old, sown_old = layer.apply(variables, x, RoutingContext(),
-                                  record=primary, mutable=["intermediates"])
+      old, sown_old = apply(record=primary)
     np.testing.assert_array_equal(new[0], old[0])
     assert bool(sown_new) == bool(sown_old) == primary
 

@@ -27,6 +27,8 @@ import textwrap
 
 import pytest
 
+from fake_devices import fake_devices_env
+
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
 
@@ -173,8 +175,7 @@ _CHILD = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("sharded_checkpoints")
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "CI": "1",
-         "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+  env = fake_devices_env(8, CI="1")
   out = subprocess.run([sys.executable, "-c", _CHILD, str(tmp), TESTS],
                        cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=600)

@@ -33,10 +33,13 @@ CASES = ("topk", "expert_choice", "soft_moe", "acmoe", "symphony",
 
 
 @functools.lru_cache(maxsize=None)
+def _reports() -> dict:
+  """The subprocess's reports of every mesh, run once per test session."""
+  return sharded_runs.result(sharded_runs.start(sharded_runs.MESHES))
+
+
 def _report(shape: tuple[int, int]) -> dict:
-  """The subprocess's report for one mesh, run once per test session (the
-  meshes one after the other, so the one-device programs compile once)."""
-  return sharded_runs.result(sharded_runs.start(shape))
+  return _reports()[shape]
 
 
 def _tolerance(quantity: str, scale: float) -> float:
