@@ -19,6 +19,7 @@ import naive
 from resume_check import short_schedule, straight_vs_resumed
 from vmoe_ext.models import build_model
 from vmoe_ext.moe.capacity import compute_capacity
+from vmoe_ext.moe.contract import RouterContractError
 from vmoe_ext.moe.layer import MoeLayer
 from vmoe_ext.moe.routing import TokenChoiceRouting
 from vmoe_ext.routers.base import Router, RouterOutput, RoutingContext
@@ -336,3 +337,59 @@ def test_a_stream_must_make_exactly_one_primary_call(probe_components):
       jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 8, 8, 1)))
   finally:
     del STREAMS.entries["two_primaries"]
+
+
+class MisreportingRouter(Router):
+  """Top-2 routing (token s to experts s % E and (s + 1) % E) that reports
+  `slots_per_token` 1 unless `declared` says otherwise, and leaves
+  `auxiliary_loss` out of its metrics when `with_loss` is False."""
+  declared: int = 1
+  with_loss: bool = True
+
+  @property
+  def slots_per_token(self) -> int:
+    return self.declared
+
+  @nn.compact
+  def __call__(self, x, ctx, *, capacity, deterministic, update_state=False):
+    del ctx, capacity, deterministic, update_state
+    g, s, _ = x.shape
+    first = jnp.arange(s) % self.num_experts
+    idx = jnp.broadcast_to(jnp.stack(
+        [first, (first + 1) % self.num_experts], -1), (g, s, 2))
+    metrics = {"importance_loss": jnp.zeros(())}
+    if self.with_loss:
+      metrics["auxiliary_loss"] = jnp.zeros(())
+    return RouterOutput(TokenChoiceRouting.create(idx, jnp.ones((g, s, 2))),
+                        metrics)
+
+
+def _trace_layer(router):
+  layer = MoeLayer(router=router, hidden_size=4, capacity_factor=1.0)
+  x = jnp.ones((2, 6, 4))
+  return jax.eval_shape(lambda: layer.init_with_output(
+      jax.random.key(0), x, RoutingContext()))
+
+
+def test_a_router_keeping_the_contract_traces():
+  (_, metrics, record), _ = _trace_layer(
+      MisreportingRouter(num_experts=4, declared=2))
+  assert record.assignment.expert_indices.shape == (2, 6, 2)
+  assert "auxiliary_loss" in metrics
+
+
+def test_slots_per_token_must_be_the_routings_k():
+  """Capacity is sized from `slots_per_token`: a router that selects K = 2
+  but declares 1 is refused while tracing, naming both numbers."""
+  with pytest.raises(RouterContractError,
+                     match=r"MisreportingRouter .* K = 2 .* slots_per_token "
+                     r"is 1"):
+    _trace_layer(MisreportingRouter(num_experts=4))
+
+
+def test_metrics_without_the_auxiliary_loss_are_refused():
+  with pytest.raises(RouterContractError,
+                     match=r"MisreportingRouter's metrics \['importance_loss'"
+                     r"\] have no 'auxiliary_loss'"):
+    _trace_layer(MisreportingRouter(num_experts=4, declared=2,
+                                    with_loss=False))

@@ -273,6 +273,42 @@ class Router(nn.Module):
     raise NotImplementedError
 
 
+class RouterContractError(TypeError):
+  """A router returned something the contract above does not allow (a bug
+  in the router, raised while the model is traced)."""
+
+
+def check_router_output(router: Router, out: Any) -> None:
+  """Raises `RouterContractError` unless `out` keeps the router contract.
+
+  Checked at trace time by the MoE layer: `out` is a `RouterOutput`, its
+  `metrics` hold `auxiliary_loss`, and a token-choice routing selects as
+  many experts a token (K of `[G, S, K]`) as the router's
+  `slots_per_token`, from which the layer sized the expert capacity.
+  """
+  name = type(router).__name__
+  if not isinstance(out, RouterOutput):
+    raise RouterContractError(
+        f"router {name} returned a {type(out).__name__}, not a RouterOutput "
+        "(vmoe_ext.moe.contract)")
+  if "auxiliary_loss" not in out.metrics:
+    raise RouterContractError(
+        f"router {name}'s metrics {sorted(out.metrics)} have no "
+        "'auxiliary_loss': the router contract needs it, a scalar already "
+        "weighted (a zero scalar if the router has no loss); the training "
+        "loss adds it")
+  k = getattr(out.routing, "num_selected", None)
+  if router.kind == TOKEN_CHOICE and k is not None and (
+      k != router.slots_per_token):
+    raise RouterContractError(
+        f"router {name} returned a token-choice routing of K = {k} experts "
+        f"a token, but its slots_per_token is {router.slots_per_token}: the "
+        "MoE layer sizes the expert capacity C = ceil(S * K * "
+        "capacity_factor / E) from slots_per_token, so it would drop the "
+        "wrong share of tokens. Make slots_per_token return the routing's "
+        "K")
+
+
 class LinearLogits(nn.Module):
   """Router logits `l = x W (+ b)`, `W: [D, E]`, `b: [E]` (zeros at init)
   only with `use_bias`; computed in `dtype`."""

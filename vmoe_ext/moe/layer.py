@@ -18,7 +18,7 @@ from vmoe_ext.errors import require
 from vmoe_ext.moe.capacity import ROUNDINGS, compute_capacity
 from vmoe_ext.moe.dispatch import DISPATCHERS, make_dispatch_plan
 from vmoe_ext.moe.contract import (Assignment, LayerRecord, Metrics, Router,
-                                   RoutingContext)
+                                   RoutingContext, check_router_output)
 from vmoe_ext.moe.expert_parallel import ExpertParallel, expert_parallel_moe
 from vmoe_ext.moe.experts import (INIT_MODES, DenseMlp, MlpExperts,
                                   check_activation)
@@ -199,6 +199,7 @@ class MoeLayer(nn.Module):
     out = self.router(xg, ctx.replace(primary=primary), capacity=capacity,
                       deterministic=deterministic,
                       update_state=update_state and primary)
+    check_router_output(self.router, out)
     routing = out.routing
     dtype = DISPATCH_DTYPES[self.dispatch_dtype]
     tokens = xg if out.expert_inputs is None else out.expert_inputs
