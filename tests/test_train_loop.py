@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import chex
 import jax
@@ -14,12 +16,14 @@ import numpy as np
 import pytest
 
 from tiny_configs import tiny_cifar10
+from vmoe_ext.app import main as main_module
 from vmoe_ext.app import train as loop
 from vmoe_ext.app.context import RunContext, resolved
 from vmoe_ext.data.source import DataSource
 from vmoe_ext.errors import ConfigError
 from vmoe_ext.reporting.writers import read_metrics
 from vmoe_ext.train.config_files import CONFIG_DIR, load_config
+from vmoe_ext.train import loop as loop_module
 from vmoe_ext.train.loop import NonFiniteError
 from vmoe_ext.train.steps import make_train_step
 
@@ -73,6 +77,79 @@ def test_resume_after_preemption_equals_straight_run(straight, tmp_path):
   assert step_a == step_b == STEPS
   chex.assert_trees_all_equal(state_a.params, state_b.params)
   chex.assert_trees_all_equal(state_a.opt_state, state_b.opt_state)
+
+
+class SignalAt(DataSource):
+  """The config's data; the batch of step `step` (1-based) sends this
+  process `signals` (one after the other, each handled before the next)."""
+
+  def __init__(self, config, step, signals):
+    super().__init__(config.data, config.seed)
+    self.step, self.signals, self.served = step, signals, 0
+
+  def train_iterator(self):
+    iterator, source = super().train_iterator(), self
+
+    class Signalling:
+      def __next__(self):
+        source.served += 1
+        if source.served == source.step:
+          for signum in source.signals:
+            os.kill(os.getpid(), signum)
+            time.sleep(0.01)  # The handler runs at the next bytecode.
+        return next(iterator)
+
+      def __getattr__(self, name):
+        return getattr(iterator, name)
+
+    return Signalling()
+
+
+@pytest.mark.parametrize("signum,status", [(signal.SIGINT, 130),
+                                           (signal.SIGTERM, 143)])
+def test_a_stop_signal_saves_the_step_and_resumes_exactly(
+    straight, tmp_path, capfd, signum, status):
+  """Ctrl-C (SIGINT) or SIGTERM in step 6: the step ends, its checkpoint is
+  saved (not a periodic one: those are 4, 8, 12), `Preempted` names the
+  signal (the binary's exit status: 130 or 143), the handlers are given
+  back, and the same command resumes to the straight run's state."""
+  workdir = str(tmp_path / "run")
+  config = tiny_config()
+  handlers = {s: signal.getsignal(s) for s in loop_module.STOP_SIGNALS}
+  with pytest.raises(loop_module.Preempted) as stopped:
+    loop.train_and_evaluate(config, workdir, handle_sigterm=True,
+                            data=SignalAt(resolved(config), 6, [signum]))
+  assert stopped.value.signum == signum
+  assert {s: signal.getsignal(s) for s in handlers} == handlers
+  assert main_module.stop_status(stopped.value) == status
+  what = {signal.SIGINT: "interrupted (Ctrl-C)",
+          signal.SIGTERM: "SIGTERM received"}[signum]
+  assert str(stopped.value).startswith(f"{what}; the checkpoint of step 6 ")
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == [
+      "4", "6"]
+  printed = capfd.readouterr().err
+  assert printed.count("Ctrl-C: stopping after saving a checkpoint") == (
+      signum == signal.SIGINT)
+  assert loop.train_and_evaluate(tiny_config(), workdir) == straight[1]
+  _, state = restored_state(tiny_config(), workdir)
+  _, reference = restored_state(tiny_config(), straight[0])
+  chex.assert_trees_all_equal(state.params, reference.params)
+
+
+def test_a_second_ctrl_c_stops_at_once(tmp_path):
+  """Two Ctrl-Cs in step 6: `KeyboardInterrupt` before the step ends,
+  nothing saved after the periodic checkpoint of step 4 (the binary: exit
+  130, one line)."""
+  workdir = str(tmp_path / "run")
+  config = tiny_config()
+  handler = signal.getsignal(signal.SIGINT)
+  with pytest.raises(KeyboardInterrupt) as stopped:
+    loop.train_and_evaluate(config, workdir, handle_sigterm=True,
+                            data=SignalAt(resolved(config), 6,
+                                          [signal.SIGINT, signal.SIGINT]))
+  assert main_module.stop_status(stopped.value) == 130
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["4"]
+  assert signal.getsignal(signal.SIGINT) == handler  # Given back.
 
 
 def test_outputs_and_final_line(straight):

@@ -27,6 +27,9 @@ traceback (unless `--debug`):
        dotted path of a config field (`model.moe.router.num_selected`,
        `robustness.attacks[1].eps`) or the flag (`--config` for a missing or
        broken config file, `--workdir`), before anything is compiled.
+  130  stopped by Ctrl-C (SIGINT). The first Ctrl-C in training saves a
+       checkpoint at the step boundary (as SIGTERM does); a second one, or
+       one outside training, stops at once.
   143  stopped by SIGTERM (preemption): a checkpoint was saved at the step
        boundary; re-running the same command resumes bit-identically.
 """
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import sys
 import traceback
 import warnings
@@ -61,6 +65,7 @@ from vmoe_ext.train.workdir import check_workdir
 FLAGS = flags.FLAGS
 DEFAULT_CONFIG = os.path.join(CONFIG_DIR, "default.py")
 PREEMPTED = 143  # 128 + SIGTERM, as if the signal had ended the process.
+INTERRUPTED = 130  # 128 + SIGINT.
 flags.DEFINE_string("workdir", os.path.join(".", "runs", "default"),
                     "Directory for checkpoints, metrics, plots and report.")
 flags.DEFINE_bool("debug", False, "Show the traceback of any error.")
@@ -106,7 +111,10 @@ def parse_flags(argv: list[str]) -> list[str]:
   """
   try:
     value, rest = _split_config_flag(argv)
-    config = prepare_overrides(load_config_flag(value), rest, CONFIG)
+    notes: list[str] = []
+    config = prepare_overrides(load_config_flag(value), rest, CONFIG, notes)
+    for note in notes:
+      print(f"note: {note}", file=sys.stderr)
     rest = take_none_overrides(config, rest, CONFIG)
     config_flags.DEFINE_config_dict(
         "config", config,
@@ -122,6 +130,14 @@ def parse_flags(argv: list[str]) -> list[str]:
       _fail(f"config error: {match.group(1)}: cannot set it from the "
             f"command line: {reason}")
     _fail(f"error: {e}\nPass --helpfull to see the flags.")
+
+
+def stop_status(stop: Preempted | KeyboardInterrupt) -> int:
+  """The exit status of a run stopped by a signal: 130 for Ctrl-C (a
+  checkpoint saved, or a second Ctrl-C), 143 for SIGTERM."""
+  if isinstance(stop, Preempted) and stop.signum != signal.SIGINT:
+    return PREEMPTED
+  return INTERRUPTED
 
 
 def _unexpected(error: BaseException, workdir: str) -> NoReturn:
@@ -198,8 +214,13 @@ def main(argv) -> None:
       raise
     _fail(f"config error: {e}")
   except Preempted as e:
-    print(f"stopped: {e}", file=sys.stderr)
-    sys.exit(PREEMPTED)
+    _fail(f"stopped: {e}", status=stop_status(e))
+  except KeyboardInterrupt as e:
+    if FLAGS.debug:
+      raise
+    _fail("stopped: interrupted (Ctrl-C) at once; nothing after the last "
+          "checkpoint was saved. Re-run the same command to resume from it.",
+          status=stop_status(e))
   except (InputError, NonFiniteError, CheckpointError) as e:
     if FLAGS.debug:
       raise

@@ -18,7 +18,7 @@ from vmoe_ext.data.source import DataSource
 from vmoe_ext.reporting.report import listify, write_report
 from vmoe_ext.reporting.writers import MetricWriter, progress_line, read_metrics
 from vmoe_ext.sharding.multihost import is_main_process
-from vmoe_ext.train.loop import history_from_json, sigterm_flag, train_loop
+from vmoe_ext.train.loop import history_from_json, stop_flag, train_loop
 from vmoe_ext.train.workdir import WorkdirLock
 
 log = logging.getLogger(__name__)
@@ -59,10 +59,12 @@ def train_and_evaluate(config: Any, workdir: str, *,
     stop_at_step: stop abruptly once this step is reached, as a preempted job
       would (no final evaluation, no report; returns None). Used to test that
       resuming gives the same result as an uninterrupted run.
-    handle_sigterm: on SIGTERM, save a checkpoint at the next step boundary
-      and raise `Preempted` (the binary exits with 143). In a multi-process
-      job the processes agree on that step through jax's preemption sync
-      point (SIGTERM to any one of them stops them all at the same step).
+    handle_sigterm: on SIGTERM or a first Ctrl-C (SIGINT), save a checkpoint
+      at the next step boundary and raise `Preempted` (the binary exits with
+      143 or 130); a second Ctrl-C raises `KeyboardInterrupt` at once. In a
+      multi-process job the processes agree on the step through jax's
+      preemption sync point (SIGTERM to any one of them stops them all at
+      the same step), and Ctrl-C stops at once.
     data: the run's data instead of the one the config describes (tests).
 
   Multi-process jobs (`jax.process_count() > 1`, every process given the
@@ -88,7 +90,7 @@ def train_and_evaluate(config: Any, workdir: str, *,
       writer.truncate(after_step=int(run.state.step))
     history = history_from_json(run.resumed_extra.get("history", []))
     multi = jax.process_count() > 1
-    with sigterm_flag(handle_sigterm and not multi) as sigterm:
+    with stop_flag(handle_sigterm and not multi) as sigterm:
       step = train_loop(run, writer, history, sigterm, stop_at_step,
                         sync_preemption=handle_sigterm and multi)
     if step is None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+import sys
 import threading
 import time
 from typing import Any, Iterator, Optional, Sequence
@@ -61,7 +62,12 @@ def check_finite(run: Any, step: int, history: Sequence[dict]) -> None:
 
 
 class Preempted(Exception):
-  """SIGTERM stopped training; a checkpoint of the current step was saved."""
+  """A stop signal (SIGTERM: preemption; SIGINT: Ctrl-C) stopped training; a
+  checkpoint of the current step was saved. `signum` is the signal."""
+
+  def __init__(self, message: str, signum: int = signal.SIGTERM):
+    super().__init__(message)
+    self.signum = signum
 
 
 def _reached_preemption(step: int) -> bool:
@@ -75,20 +81,40 @@ def _reached_preemption(step: int) -> bool:
     return False
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
 @contextlib.contextmanager
-def sigterm_flag(enabled: bool = True) -> Iterator[list]:
-  """A list that gets an item when SIGTERM arrives (checked by the loop at
-  each step boundary). Only in the main thread; elsewhere never set."""
+def stop_flag(enabled: bool = True) -> Iterator[list]:
+  """A list that gets the signal number when SIGTERM or SIGINT (Ctrl-C)
+  arrives; the loop checks it at each step boundary, saves and stops.
+
+  A second Ctrl-C does not wait for the step: it raises `KeyboardInterrupt`
+  at once (nothing saved after the last checkpoint). Only in the main
+  thread; elsewhere, or when not `enabled`, the list is never set and the
+  signals keep their handlers.
+  """
   received: list = []
   if not enabled or threading.current_thread() is not threading.main_thread():
     yield received
     return
-  previous = signal.signal(signal.SIGTERM,
-                           lambda *_: received.append(time.time()))
+
+  def on_signal(signum, frame):
+    del frame
+    if signum == signal.SIGINT:
+      if signal.SIGINT in received:  # The second Ctrl-C: stop now.
+        raise KeyboardInterrupt
+      print("\nCtrl-C: stopping after saving a checkpoint at the end of "
+            "this step (Ctrl-C again to stop at once)", file=sys.stderr,
+            flush=True)
+    received.append(signum)
+
+  previous = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS}
   try:
     yield received
   finally:
-    signal.signal(signal.SIGTERM, previous)
+    for s, handler in previous.items():
+      signal.signal(s, handler)
 
 
 def history_to_json(history: Sequence[dict]) -> list[dict[str, Any]]:
@@ -112,9 +138,9 @@ def train_loop(run: Any, writer: MetricWriter, history: list, sigterm: list,
 
   Returns the last step, or None when stopped at `stop_at_step`. Raises
   `NonFiniteError` (nothing saved after the first bad step) or `Preempted`
-  (after saving the current step) when SIGTERM arrived (`sigterm` got an
-  item or, with `sync_preemption`, jax's preemption sync point of the
-  processes is reached).
+  (after saving the current step) when a stop signal arrived (`sigterm`
+  got a signal number from `stop_flag` or, with `sync_preemption`, jax's
+  preemption sync point of the processes is reached).
   """
   config = run.config
   step = int(run.state.step)
@@ -141,7 +167,7 @@ def train_loop(run: Any, writer: MetricWriter, history: list, sigterm: list,
       history.append(metrics)
       bar.update(1)
       if sync_preemption and _reached_preemption(step):
-        sigterm.append(time.time())
+        sigterm.append(signal.SIGTERM)
       log_now = step % config.train.log_every == 0 or step == total
       eval_now = bool(eval_every) and step % eval_every == 0 and step < total
       save_now = run.checkpoints.should_save(step)
@@ -169,10 +195,13 @@ def train_loop(run: Any, writer: MetricWriter, history: list, sigterm: list,
       if save_now or sigterm:
         save()
       if sigterm:
+        signum = sigterm[0]
+        what = ("SIGTERM received" if signum == signal.SIGTERM
+                else "interrupted (Ctrl-C)")
         raise Preempted(
-            f"SIGTERM received; the checkpoint of step {step} is saved in "
+            f"{what}; the checkpoint of step {step} is saved in "
             f"{run.checkpoints.directory}. Re-run the same command to "
-            "resume.")
+            "resume.", signum=signum)
       if stop_at_step is not None and step >= stop_at_step:
         return None
   check_finite(run, step, history)
