@@ -3,7 +3,7 @@
     # 1. the dense ViT (add ",swiglu" to both configs for SwiGLU MLPs)
     python -m vmoe_ext.main --config=configs/vit_dense.py:plain \
         --workdir=runs/vit_dense
-    # 2. carve it (minutes on a CPU); writes a V-MoE checkpoint at step 0
+    # 2. carve it (under a minute on 2 CPU cores); a V-MoE checkpoint at step 0
     python -m vmoe_ext.main --config=configs/carve.py:S1A1E8 \
         --workdir=runs/carve_S1A1E8
     # 3. evaluate and attack the carved model as is (training-free)
