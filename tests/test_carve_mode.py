@@ -88,6 +88,8 @@ def test_carve_mode_writes_a_v_moe_checkpoint_and_a_report(carved):
   with open(os.path.join(workdir, "report.md")) as f:
     report = f.read()
   assert "Carving wall time" in report and "S1A1E4" in report
+  assert "training_curves.png" not in report  # Nothing was trained.
+  assert not os.path.exists(os.path.join(workdir, "training_curves.png"))
   params = _params(workdir)
   assert params["encoderblock_0/Moe/Mlp/Dense_0/kernel"].shape == (3, 16, 4)
   assert params["encoderblock_1/Moe/SharedMlp/Dense_0/kernel"].shape == (

@@ -33,7 +33,7 @@ from vmoe_ext.app.context import resolved
 from vmoe_ext.config.overrides import prepare_overrides, take_none_overrides
 from vmoe_ext.errors import ConfigError
 from vmoe_ext.models import build_model
-from vmoe_ext.reporting.writers import read_metrics
+from vmoe_ext.reporting.writers import TIMING_METRICS, read_metrics
 from vmoe_ext.train import loop
 from vmoe_ext.train.config_files import CONFIG_DIR, load_config
 from vmoe_ext.train.state import TrainState
@@ -60,8 +60,9 @@ def run_binary(workdir, *args, **kw):
                         capture_output=True, text=True, timeout=600)
 
 
-def tensorboard_points(workdir):
-  """Every (tag, step) point of the event files, with repetitions."""
+def tensorboard_points(workdir, kind="simple_value"):
+  """Every (tag, step) point of the event files, with repetitions: the
+  scalars, or with kind="image" the images."""
   logdir = os.path.join(workdir, "tensorboard")
   points = collections.Counter()
   for name in os.listdir(logdir):
@@ -69,7 +70,8 @@ def tensorboard_points(workdir):
       for record in _read_records(os.path.join(logdir, name)):
         event = event_pb2.Event.FromString(record)
         for value in event.summary.value:
-          points[(value.tag, event.step)] += 1
+          if value.WhichOneof("value") == kind:
+            points[(value.tag, event.step)] += 1
   return points
 
 
@@ -322,9 +324,14 @@ def reference(tmp_path_factory):
 
 
 def assert_same_record(workdir, reference_dir):
-  """Same metrics.jsonl records and TensorBoard points, none twice."""
+  """Same metrics.jsonl records (but the timings) and TensorBoard points,
+  none twice; each PNG plot once as a TensorBoard image at the last step."""
   records = read_metrics(workdir)
-  assert records == read_metrics(reference_dir)
+  untimed = lambda rs: [{k: v for k, v in r.items()
+                         if k not in TIMING_METRICS} for r in rs]
+  assert untimed(records) == untimed(read_metrics(reference_dir))
+  assert all(r["images_per_second"] > 0 for r in records
+             if r["split"] == "train")
   # One TensorBoard point per number in the records (the eps sweep writes
   # several lines at one step, so some (tag, step) pairs repeat there too).
   expected = collections.Counter()
@@ -337,6 +344,11 @@ def assert_same_record(workdir, reference_dir):
           expected[(tag, r["step"])] += 1
   assert tensorboard_points(workdir) == expected
   assert tensorboard_points(reference_dir) == expected
+  last = max(r["step"] for r in records)
+  plots = sorted(n[:-4] for n in os.listdir(workdir) if n.endswith(".png"))
+  assert "training_curves" in plots
+  assert tensorboard_points(workdir, "image") == collections.Counter(
+      {(f"plots/{name}", last): 1 for name in plots})
 
 
 def test_binary_outputs_and_progress_lines_off_a_terminal(reference):
@@ -459,6 +471,10 @@ def test_evaluation_binary_restores_the_training_run(reference, tmp_path,
       else workdir
   evaluation = read_metrics(out)
   assert not os.path.exists(os.path.join(out, "checkpoints"))
+  # Nothing trained here: no (empty) training-curves plot.
+  assert not os.path.exists(os.path.join(out, "training_curves.png"))
+  assert "training_curves.png" not in open(
+      os.path.join(out, "report.md")).read()
   # Same checkpoint, same data: the same clean and adversarial numbers.
   trained = {r["split"]: r for r in before[before.index(
       [r for r in before if r.get("final")][0]):]}

@@ -21,7 +21,7 @@ from vmoe_ext.app import train as loop
 from vmoe_ext.app.context import RunContext, resolved
 from vmoe_ext.data.source import DataSource
 from vmoe_ext.errors import ConfigError
-from vmoe_ext.reporting.writers import read_metrics
+from vmoe_ext.reporting.writers import TIMING_METRICS, read_metrics
 from vmoe_ext.train.config_files import CONFIG_DIR, load_config
 from vmoe_ext.train import loop as loop_module
 from vmoe_ext.train.loop import NonFiniteError
@@ -59,7 +59,9 @@ def straight(tmp_path_factory):
 
 
 def _train_lines(workdir):
-  return {r["step"]: r for r in read_metrics(workdir) if r["split"] == "train"}
+  """The train lines by step, without their timings."""
+  return {r["step"]: {k: v for k, v in r.items() if k not in TIMING_METRICS}
+          for r in read_metrics(workdir) if r["split"] == "train"}
 
 
 def test_resume_after_preemption_equals_straight_run(straight, tmp_path):
@@ -167,6 +169,14 @@ def test_outputs_and_final_line(straight):
   assert os.listdir(os.path.join(workdir, "tensorboard"))
   assert f"| accuracy | {final['accuracy']:.4f} |" in open(
       os.path.join(workdir, "report.md")).read()
+  # Progress on every train line: batches of 32 from the 1,797 - 355 =
+  # 1,442 training digits, and a positive throughput.
+  train = [r for r in records if r["split"] == "train"]
+  assert [r["step"] for r in train] == list(range(2, STEPS + 1, 2))
+  for r in train:
+    assert r["examples_seen"] == 32 * r["step"]
+    assert r["epoch"] == pytest.approx(32 * r["step"] / 1442, rel=1e-12)
+    assert r["images_per_second"] > 0
 
 
 def test_final_accuracy_matches_an_independent_evaluation(straight):
@@ -230,6 +240,10 @@ class _PoisonedBatch:
 
   def set_state(self, state):
     self.inner.set_state(state)
+
+  @property
+  def num_examples(self):
+    return self.inner.num_examples
 
 
 class _PoisonedSource(DataSource):

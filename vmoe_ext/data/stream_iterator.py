@@ -206,6 +206,11 @@ class StreamingTrainIterator:
     self._iter = iter(streaming.train_loader(self._source, **self._kwargs))
     self._image_size = data.get("image_size")
 
+  @property
+  def num_examples(self) -> int:
+    """Records in the train split (all processes together)."""
+    return len(self._source)
+
   def sample_batch(self) -> np.ndarray:
     """A [B/P, H, W, C] float32 batch of record 0's preprocessed image (for
     shapes and `model.init`), checked against `data.image_size`."""

@@ -22,7 +22,8 @@ It returns a `RouterOutput`:
 
 * (routing) `routing` — one of the forms in `vmoe_ext.moe.routing`, and
   `metrics`, a dict of scalars that always contains `auxiliary_loss` (already
-  weighted);
+  weighted); every entry is logged per layer (`layer_i/NAME` in
+  `metrics.jsonl` and TensorBoard, train and test lines);
 * (a) `expert_inputs` — optional transformed tokens `[G, S, D]` that the
   dispatcher sends to the experts instead of `x` (ACMoE's Swin/SoftMoE
   variants scale the expert inputs, not only the scores);

@@ -10,6 +10,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from vmoe_ext.naming import block_index
+from vmoe_ext.reporting.writers import write_plot_images
 
 
 def listify(metrics: Mapping[str, Any]) -> dict[str, Any]:
@@ -36,8 +37,11 @@ def _scalar_rows(metrics: Mapping[str, Any]) -> list[tuple[str, str]]:
   return rows
 
 
-def plot_curves(records: Sequence[Mapping[str, Any]], path: str) -> None:
-  """Training loss and test accuracy against step."""
+def plot_curves(records: Sequence[Mapping[str, Any]], path: str) -> bool:
+  """Training loss and test accuracy against step; False (no file) when
+  the records have no training line (an evaluation-only or carve run)."""
+  if not any(r.get("split") == "train" and "loss" in r for r in records):
+    return False
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -51,8 +55,7 @@ def plot_curves(records: Sequence[Mapping[str, Any]], path: str) -> None:
     ax1.plot([r["step"] for r in train],
              [r["cross_entropy"] for r in train], label="train cross-entropy")
   ax1.set(xlabel="step", ylabel="loss", title="Training loss")
-  if train:  # An evaluation-only report has no training lines.
-    ax1.legend()
+  ax1.legend()
   if train:
     ax2.plot([r["step"] for r in train], [r["accuracy"] for r in train],
              label="train (batch)")
@@ -60,11 +63,11 @@ def plot_curves(records: Sequence[Mapping[str, Any]], path: str) -> None:
     ax2.plot([r["step"] for r in test], [r["accuracy"] for r in test], "o-",
              label="test")
   ax2.set(xlabel="step", ylabel="accuracy", title="Accuracy", ylim=(0, 1))
-  if train or test:
-    ax2.legend()
+  ax2.legend()
   fig.tight_layout()
   fig.savefig(path, dpi=100)
   plt.close(fig)
+  return True
 
 
 def plot_expert_load(metrics: Mapping[str, Any], path: str) -> bool:
@@ -85,7 +88,7 @@ def plot_expert_load(metrics: Mapping[str, Any], path: str) -> bool:
     ax.bar(np.arange(len(load)), 100 * load)
     ax.axhline(100 / len(load), color="k", ls="--", lw=1, label="balanced")
     ax.set(title=f"{layer} expert load", xlabel="expert",
-           ylabel="% of selections")
+           ylabel="% of selections", xticks=np.arange(len(load)))
     ax.legend()
   fig.tight_layout()
   fig.savefig(path, dpi=100)
@@ -98,8 +101,15 @@ def write_report(workdir: str, *, final_metrics: Mapping[str, Any],
                  config_summary: Mapping[str, Any], wall_seconds: float,
                  extra_sections: Sequence[str] = (),
                  title: str = "Run report") -> str:
-  """Writes `report.md` and the PNG plots; returns the report text."""
-  plot_curves(records, os.path.join(workdir, "training_curves.png"))
+  """Writes `report.md` and the PNG plots; returns the report text.
+
+  Every PNG plot of the workdir (these and those the extra sections' stages
+  wrote) also goes to TensorBoard as an image (`plots/<name>`) at the last
+  step of `records`."""
+  curves = os.path.join(workdir, "training_curves.png")
+  has_curves = plot_curves(records, curves)
+  if not has_curves and os.path.exists(curves):
+    os.remove(curves)  # Left by an earlier run of this workdir's config.
   has_load = plot_expert_load(final_metrics,
                               os.path.join(workdir, "expert_load.png"))
   lines = [f"# {title}", "",
@@ -110,8 +120,9 @@ def write_report(workdir: str, *, final_metrics: Mapping[str, Any],
   lines += [f"| {k} | {v} |" for k, v in _scalar_rows(final_metrics)]
   lines += ["", "## Config", "", "```json",
             json.dumps(config_summary, indent=1, sort_keys=True, default=str),
-            "```", "", "## Plots", "",
-            "![training curves](training_curves.png)"]
+            "```", "", "## Plots", ""]
+  if has_curves:
+    lines.append("![training curves](training_curves.png)")
   if has_load:
     lines.append("![expert load](expert_load.png)")
   for section in extra_sections:
@@ -119,4 +130,6 @@ def write_report(workdir: str, *, final_metrics: Mapping[str, Any],
   text = "\n".join(lines) + "\n"
   with open(os.path.join(workdir, "report.md"), "w") as f:
     f.write(text)
+  step = max((int(r["step"]) for r in records if "step" in r), default=0)
+  write_plot_images(workdir, step)
   return text

@@ -35,6 +35,35 @@ METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 RESERVED = ("step", "split", "final")
 MAX_ARRAY_SIZE = 4096
+# Train-line metrics that measure time, not the computation: they differ
+# between two runs of the same config (and between a run and its resume),
+# where every other value of `metrics.jsonl` is reproduced exactly.
+TIMING_METRICS = ("images_per_second",)
+PLOTS_TAG = "plots"
+
+
+def write_plot_images(workdir: str, step: int) -> list[str]:
+  """Sends every `*.png` of `workdir` to TensorBoard as the image
+  f"plots/{name}" at `step` (an event file of its own, beside the scalars');
+  returns the names. Only process 0 writes; nothing without TensorBoard
+  events in `workdir`."""
+  logdir = os.path.join(workdir, TENSORBOARD_DIR)
+  if not is_main_process() or not os.path.isdir(logdir):
+    return []
+  names = sorted(n for n in os.listdir(workdir) if n.endswith(".png"))
+  if not names:
+    return []
+  import matplotlib.image
+  from tensorboardX import SummaryWriter
+  for old in os.listdir(logdir):  # One set of plots: the latest report's.
+    if old.startswith("events.out.tfevents.") and old.endswith(".plots"):
+      os.remove(os.path.join(logdir, old))
+  with SummaryWriter(logdir=logdir, filename_suffix=".plots") as tb:
+    for name in names:
+      image = matplotlib.image.imread(os.path.join(workdir, name))
+      tb.add_image(f"{PLOTS_TAG}/{name[:-4]}", image[..., :3],
+                   global_step=int(step), dataformats="HWC")
+  return names
 
 
 def flatten_metrics(metrics: Mapping[str, Any],

@@ -156,6 +156,8 @@ def train_loop(run: Any, writer: MetricWriter, history: list, sigterm: list,
       mixup=config.train.mixup, loss_type=config.train.loss), run.state)
   save = lambda: run.save(metrics_lines=writer.num_lines(),
                           history=history_to_json(history))
+  batch_size = config.data.batch_size  # The global batch.
+  train_examples = run.data.train_iterator().num_examples
   # Throughput from the end of the first step on (it includes compiling).
   timed_from, since = step + 1, time.time()
   with progress_bar(total=total, desc="train", initial=step) as bar:
@@ -175,11 +177,16 @@ def train_loop(run: Any, writer: MetricWriter, history: list, sigterm: list,
         check_finite(run, step, history)
       if log_now:
         mean = _mean_metrics(history)
-        # Persistent router state (Symphony's expert graph) as it is now.
-        writer.write(step, "train",
-                     {**mean, **router_state_metrics(run.state.collections)})
-        bar.set_postfix(loss=f"{float(metrics['loss']):.3f}")
         rate = (step - timed_from) / max(time.time() - since, 1e-9)
+        # Persistent router state (Symphony's expert graph) as it is now;
+        # progress: examples seen, epochs, and the images/s since the first
+        # step (a timing: it differs between runs, see TIMING_METRICS).
+        seen = step * batch_size
+        writer.write(step, "train", {
+            **mean, **router_state_metrics(run.state.collections),
+            "examples_seen": seen, "epoch": seen / train_examples,
+            "images_per_second": rate * batch_size})
+        bar.set_postfix(loss=f"{float(metrics['loss']):.3f}")
         speed = (f"{rate:.2f} steps/s, ETA "
                  f"{duration((total - step) / rate)}" if rate > 0
                  else "compiled")

@@ -27,9 +27,6 @@ from vmoe_ext.train.state import TrainState
 Array = jax.Array
 Batch = dict[str, Array]
 
-# Per-layer routing metrics aggregated over evaluation (scalars and [E] vectors).
-ROUTING_METRICS = ("drop_rate", "expert_load", "importance_loss", "load_loss",
-                   "auxiliary_loss")
 
 
 # Folded into the step key (`jax.random.fold_in`) for the mixup weights:
@@ -58,14 +55,18 @@ def mixup_options(mixup: Mapping[str, Any] | None) -> dict | None:
 
 def routing_summary(metrics: dict[str, Any],
                     exclude: tuple[str, ...] = ()) -> dict[str, Any]:
-  """`{"layer_i/name": value}` for the per-block routing metrics we log
-  (`layer_i`: block i, `vmoe_ext.naming`)."""
+  """`{"layer_i/name": value}` for every per-block metric but `exclude`
+  (`layer_i`: block i, `vmoe_ext.naming`): all that the router returned
+  (its losses and diagnostics: top-p's `experts_per_token` and `threshold`,
+  Symphony's `symphony_fallback`, ...) and the layer's `drop_rate`,
+  `expert_load` and `expert_usage` (`[E]`). A router's metrics are its
+  declaration of what is logged: nothing else lists them."""
   out = {}
   for layer, values in metrics.items():
     if layer.startswith(METRIC_PREFIX):
-      for name in ROUTING_METRICS:
-        if name in values and name not in exclude:
-          out[f"{layer}/{name}"] = values[name]
+      for name, value in values.items():
+        if name not in exclude:
+          out[f"{layer}/{name}"] = value
   return out
 
 
