@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import flax
 import jax
@@ -89,6 +90,11 @@ def test_carve_mode_writes_a_v_moe_checkpoint_and_a_report(carved):
     report = f.read()
   assert "Carving wall time" in report and "S1A1E4" in report
   assert "training_curves.png" not in report  # Nothing was trained.
+  # The per-block table is rounded: 4 decimals for the rates.
+  rows = [l for l in report.splitlines() if re.match(r"\| \d+ \| ", l)]
+  assert rows and all(re.fullmatch(
+      r"\| \d+ \| \d+\.\d\d \| [-\d.e+]+ \| (-|nan|\d\.\d{4}) \| "
+      r"\d\.\d{4} \|", l) for l in rows), rows
   assert not os.path.exists(os.path.join(workdir, "training_curves.png"))
   params = _params(workdir)
   assert params["encoderblock_0/Moe/Mlp/Dense_0/kernel"].shape == (3, 16, 4)

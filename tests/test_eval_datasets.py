@@ -441,3 +441,37 @@ def test_robustness_cifar10_config_evaluates_a_mock_run(tmp_path):
                 "Out-of-distribution detection", "Adversarial robustness"):
     assert title in report
   assert os.path.getsize(os.path.join(out, "corrupted_cifar10_c.png")) > 0
+
+
+def test_a_missing_evaluation_set_is_reported_before_training(tmp_path):
+  """The binary's run checks that every evaluation set is on disk before it
+  trains (the check reads directories only): a TFDS set without a prepared
+  copy, a folder that is not there. A prepared one passes."""
+  from vmoe_ext import main
+  from vmoe_ext.evaluate.datasets import check_prepared
+  from vmoe_ext.train.config_files import load_config
+
+  config = load_config("tiny")
+  config.robustness.datasets = {"imagenet_a": dict(
+      kind="accuracy", class_subset="imagenet_a",
+      source=dict(tfds_name="imagenet_a", split="test",
+                  data_dir=str(tmp_path / "tfds")))}
+  workdir = str(tmp_path / "run")
+  with pytest.raises(ConfigError) as e:
+    main.run(config, workdir)
+  assert e.value.field == "robustness.datasets.imagenet_a.source.data_dir"
+  assert "no prepared copy of imagenet_a under" in str(e.value)
+  assert not os.path.exists(workdir)  # Nothing trained, nothing written.
+  folder = {"f": dict(kind="accuracy", source=dict(path=str(tmp_path / "f")))}
+  with pytest.raises(ConfigError) as e:
+    check_prepared(folder, {})
+  assert e.value.field == "robustness.datasets.f.source.path"
+  ood = {"o": dict(kind="ood", source="test", in_source=dict(
+      tfds_name="cifar10_corrupted/fog_1", split="test"))}
+  with pytest.raises(ConfigError) as e:  # data.data_dir is the default.
+    check_prepared(ood, {"data_dir": str(tmp_path)})
+  assert e.value.field == "robustness.datasets.o.in_source.data_dir"
+  assert "no prepared copy of cifar10_corrupted under" in str(e.value)
+  os.makedirs(tmp_path / "cifar10_corrupted" / "fog_1" / "1.0.0")
+  os.makedirs(tmp_path / "f")
+  check_prepared({**ood, **folder}, {"data_dir": str(tmp_path)})

@@ -19,6 +19,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -224,3 +226,38 @@ def test_one_failing_process_ends_the_job(tmp_path):
   assert job.returncode == 3, job.stderr
   assert "process 1 exited with 3" in job.stderr
   assert "process 1 fails" in job.stderr  # The end of its log.
+
+
+def _documented_command() -> list[str]:
+  """The two-process command docs/sharding.md prints, as words."""
+  text = open(os.path.join(ROOT, "docs", "sharding.md")).read()
+  block = re.search(r"```bash\n(python scripts/launch_local\.py[^`]*)```",
+                    text).group(1)
+  words = shlex.split(block.replace("\\\n", " "))
+  return [w for w in words if not w.startswith("[")]  # Optional flags.
+
+
+def test_the_documented_two_process_command_runs(tmp_path):
+  """docs/sharding.md's `launch_local.py --num_processes=2 --
+  --config=configs/tiny.py` as printed (2 steps instead of 20, no eps
+  sweep or corruptions): two processes of one CPU device, the test split
+  evaluated and attacked in batches split over them."""
+  words = _documented_command()
+  assert words[:3] == ["python", "scripts/launch_local.py",
+                       "--num_processes=2"]
+  assert words[3:5] == ["--", "--config=configs/tiny.py"], words
+  workdir = str(tmp_path / "two")
+  args = [w if not w.startswith("--workdir=") else f"--workdir={workdir}"
+          for w in words[4:]]
+  done = launch(*args, "--config.train.total_steps=2",
+                "--config.train.eval_every=0",
+                "--config.optimizer.warmup_steps=1",
+                "--config.robustness.sweep=None",
+                "--config.robustness.corruptions=None",
+                log_dir=str(tmp_path / "logs"))
+  assert done.returncode == 0, done.stderr[-3000:]
+  records = read_metrics(workdir)
+  (final,) = [r for r in records if r.get("final")]
+  assert final["num_examples"] == 355
+  assert {"adversarial/fgsm", "adversarial/pgd", "adversarial/spsa"} <= {
+      r["split"] for r in records}

@@ -27,6 +27,11 @@ def test_notebook_runs(path):
     for sel in namespace["selected"].values():
       assert sel.shape == (100, 17, 2)
       assert np.all((np.asarray(sel) >= 0) & (np.asarray(sel) < 4))
+    # It routes a trained model: 200 steps, well above chance (0.1) on the
+    # 100 test digits.
+    assert int(namespace["state"].step) == 200
+    logits, labels = namespace["logits"], namespace["batch_labels"]
+    assert np.mean(np.argmax(logits, -1) == labels) > 0.6
 
 
 def test_there_is_a_notebook():

@@ -366,6 +366,9 @@ def test_binary_outputs_and_progress_lines_off_a_terminal(reference):
       "10", "20"]
   lines = done.stderr.splitlines()
   train = [l for l in lines if l.startswith("train step ")]
+  # Before the first step's compilation, one line says so.
+  compiling = lines.index("compiling the train step (step 1/20)...")
+  assert compiling < lines.index(train[0])
   assert [l.split(":")[0] for l in train] == [
       f"train step {s}/20" for s in (5, 10, 15, 20)]
   assert all(re.search(r"loss \d\.\d{4}, accuracy \d\.\d{4}, [\d.]+ "
@@ -418,6 +421,23 @@ def test_ctrl_c_then_kill_in_final_evaluation_then_rerun(reference,
   assert done.returncode == 0, done.stderr
   assert_same_record(workdir, ref_dir)
   assert sum(bool(r.get("final")) for r in read_metrics(workdir)) == 1
+
+
+def test_out_of_memory_is_not_called_a_bug(capsys):
+  """XLA's RESOURCE_EXHAUSTED (the eval batch of 1,024 at 224 px on a 24 GB
+  host): exit 1 naming the batch fields to lower, no "bug"."""
+  from vmoe_ext.app import main as main_module
+  error = RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating "
+                       "44038672472 bytes.")
+  assert main_module.out_of_memory(error)
+  assert not main_module.out_of_memory(RuntimeError("INTERNAL: oops"))
+  with pytest.raises(SystemExit) as e:
+    main_module._out_of_memory(error)  # pylint: disable=protected-access
+  assert e.value.code == 1
+  err = capsys.readouterr().err
+  assert err.startswith("error: out of memory (RESOURCE_EXHAUSTED: Out of "
+                        "memory allocating 44038672472 bytes.)")
+  assert "data.eval_batch_size" in err and "bug" not in err
 
 
 def test_binary_refuses_a_workdir_in_use(tmp_path):

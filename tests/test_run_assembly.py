@@ -125,8 +125,10 @@ def test_an_injected_data_source_is_the_one_the_run_reads(tmp_path):
   ctx.open_training(str(tmp_path))
   ctx.checkpoints.close()
   metrics = ctx.evaluate()
-  # digits: 1,797 images, the test split of the built-in loader, 50 a batch.
-  assert Counting.batches == -(-len(source.test) // 50)
+  # digits: 1,797 images, the test split of the built-in loader, 64 a batch
+  # (configs/tiny.py).
+  assert config.data.eval_batch_size == 64
+  assert Counting.batches == -(-len(source.test) // 64)
   assert metrics["num_examples"] == len(source.test)
   # Reference: the model applied batch by batch, padding masked out.
   hits = []

@@ -139,11 +139,12 @@ def _evaluate_and_report(ctx: RunContext, spec: CarveSpec,
     writer.write(0, "test", final, final=True)
   table = ["| block | seconds | assignment cost | shared mean rate | "
            "routed mean rate |", "|---|---|---|---|---|"]
+  cell = lambda r, key, spec: (format(r[key], spec) if key in r else "-")
   for r in rows:
     table.append(f"| {r['block']} | {r['seconds']:.2f} | "
-                 f"{r.get('assignment_cost', '-')} | "
-                 f"{r.get('shared_mean_rate', '-')} | "
-                 f"{r.get('routed_mean_rate', '-')} |")
+                 f"{cell(r, 'assignment_cost', '.4g')} | "
+                 f"{cell(r, 'shared_mean_rate', '.4f')} | "
+                 f"{cell(r, 'routed_mean_rate', '.4f')} |")
   section = "\n".join([
       f"## Carving ({spec.method}, {spec.name()})", "",
       f"Dense checkpoint: step {step} of "

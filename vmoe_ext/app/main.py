@@ -55,6 +55,7 @@ from vmoe_ext.app.schema import CONFIG
 from vmoe_ext.app.train import train_and_evaluate
 from vmoe_ext.config.overrides import prepare_overrides, take_none_overrides
 from vmoe_ext.errors import ConfigError, InputError
+from vmoe_ext.evaluate.datasets import check_prepared
 from vmoe_ext.evaluate.final import after_training_hook
 from vmoe_ext.sharding.multihost import initialize, is_main_process
 from vmoe_ext.train.checkpoints import CheckpointError
@@ -140,6 +141,22 @@ def stop_status(stop: Preempted | KeyboardInterrupt) -> int:
   return INTERRUPTED
 
 
+def out_of_memory(error: BaseException) -> bool:
+  """Whether `error` is XLA running out of device or host memory."""
+  text = str(error)
+  return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text
+
+
+def _out_of_memory(error: BaseException) -> NoReturn:
+  first = str(error).strip().splitlines()[0][:300]
+  _fail(f"error: out of memory ({first}). The batches do not fit this "
+        "machine: lower data.batch_size (training) or data.eval_batch_size "
+        "(evaluation, the routing analysis and the attacks run in batches of "
+        "it), or use a smaller model; a mesh with more devices "
+        "(sharding.shape) splits them. Nothing after the last checkpoint was "
+        "lost: re-run the same command to resume.", status=1)
+
+
 def _unexpected(error: BaseException, workdir: str) -> NoReturn:
   """A bug: one paragraph on stderr, the traceback in a file."""
   text = "".join(traceback.format_exception(error))
@@ -179,6 +196,10 @@ def run(config, workdir: str) -> str:
   the report's path."""
   config = resolved(config)
   _check_multiprocess_mode(config)
+  if config.robustness is not None and config.robustness.datasets:
+    # Evaluation sets are read after training: their absence is reported
+    # now, not after it.
+    check_prepared(config.robustness.datasets, config.data)
   if config.carve is not None:
     check_workdir(workdir)
     carve_checkpoint(config, workdir)
@@ -235,6 +256,8 @@ def main(argv) -> None:
   except Exception as e:  # pylint: disable=broad-except
     if FLAGS.debug:
       raise
+    if out_of_memory(e):
+      _out_of_memory(e)
     _unexpected(e, workdir)
   if is_main_process() and os.path.exists(report):
     with open(report, encoding="utf-8") as f:

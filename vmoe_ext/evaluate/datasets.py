@@ -195,6 +195,44 @@ def check_datasets(datasets: Any, field: str = "robustness.datasets"
   return out
 
 
+def _tfds_home(data_dir: Optional[str]) -> str:
+  """Where TFDS looks for prepared data when `data_dir` is None."""
+  if data_dir is not None:
+    return os.path.expanduser(data_dir)
+  return os.environ.get("TFDS_DATA_DIR") or os.path.expanduser(
+      os.path.join("~", "tensorflow_datasets"))
+
+
+def check_prepared(datasets: Any, data_config: Mapping[str, Any],
+                   field: str = "robustness.datasets") -> None:
+  """Raises ConfigError for a source of `datasets` that is not on disk (a
+  folder that is not there, a TFDS dataset without a prepared copy under
+  its `data_dir`, which defaults to `data.data_dir`).
+
+  A look at directories only, no TFDS import: run before training, so a
+  missing evaluation set is reported before hours of training, not after
+  them. Opening the data at evaluation time checks the rest (splits,
+  features, channels).
+  """
+  for name, entry in check_datasets(datasets, field).items():
+    for key in ("source", "in_source"):
+      source = entry.get(key, "test")
+      f = f"{field}.{name}.{key}"
+      if source == "test":
+        continue
+      if "path" in source:
+        require(os.path.isdir(source["path"]), f"{f}.path",
+                f"no directory {source['path']!r}")
+        continue
+      data_dir = source.get("data_dir") or data_config.get("data_dir")
+      base = source["tfds_name"].split("/")[0].split(":")[0]
+      home = _tfds_home(data_dir)
+      require(os.path.isdir(os.path.join(home, base)), f"{f}.data_dir",
+              f"no prepared copy of {base} under {home!r} (from "
+              f"{f}.data_dir or data.data_dir); nothing is downloaded: "
+              f"prepare it (tfds build) or leave {field}.{name} out")
+
+
 class DatasetContext:
   """What every dataset evaluation shares: the model, the run's test split,
   the input geometry, the batch size and the default TFDS data_dir."""

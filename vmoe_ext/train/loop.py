@@ -161,6 +161,9 @@ def train_loop(run: Any, writer: MetricWriter, history: list, sigterm: list,
   # Throughput from the end of the first step on (it includes compiling).
   timed_from, since = step + 1, time.time()
   with progress_bar(total=total, desc="train", initial=step) as bar:
+    if step < total:  # The first step compiles: tens of seconds on a CPU.
+      progress_line(bar, f"compiling the train step (step {step + 1}/"
+                    f"{total})...")
     while step < total:
       run.state, metrics = train_step(run.state, run.next_batch())
       step += 1
