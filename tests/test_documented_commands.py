@@ -1,0 +1,103 @@
+"""Every `python -m vmoe_ext.main ...` command that README.md and docs/ print
+in a code block parses and resolves: its config file and argument exist, its
+flags are the binary's and every `--config.FIELD=VALUE` names a field with a
+valid value. Checked through the binary's own flag path (`parse_flags`'
+steps) and config resolution, in one process, without training (running
+each would take minutes). A command whose only problem is data that is not
+on this machine (a `data_dir`, a checkpoint) must fail on exactly that field.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shlex
+
+import pytest
+from absl import flags as absl_flags
+from ml_collections import config_flags
+
+from vmoe_ext.app.context import resolved
+from vmoe_ext.app.main import DEFAULT_CONFIG, _split_config_flag
+from vmoe_ext.app.schema import CONFIG
+from vmoe_ext.config.overrides import prepare_overrides, take_none_overrides
+from vmoe_ext.errors import ConfigError
+from vmoe_ext.train.config_files import CONFIG_DIR, load_config_flag
+
+ROOT = os.path.dirname(CONFIG_DIR)
+DOCS = ["README.md", *sorted(
+    os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs",
+                                                              "*.md")))]
+# The binary's own flags besides --config.
+BINARY_FLAGS = ("--workdir", "--debug", "--distributed",
+                "--coordinator_address", "--num_processes", "--process_id")
+# Fields that name data or checkpoints on the user's disk.
+DATA_FIELDS = ("data.data_dir", "init.checkpoint", "init.workdir",
+               "robustness.checkpoint_dir", "carve.checkpoint_dir")
+
+
+def _code_blocks(text: str) -> list[str]:
+  """Fenced blocks and 4-space indented blocks."""
+  blocks = re.findall(r"```[a-z]*\n(.*?)```", text, re.S)
+  blocks += ["\n".join(line[4:] for line in m.group(0).splitlines())
+             for m in re.finditer(r"(?:^    \S.*\n?)+", text, re.M)]
+  return blocks
+
+
+def documented_commands() -> list[tuple[str, str]]:
+  """`(file, command)` for every binary command of the docs."""
+  out = []
+  for name in DOCS:
+    text = open(os.path.join(ROOT, name), encoding="utf-8").read()
+    for block in _code_blocks(text):
+      for line in block.replace("\\\n", " ").splitlines():
+        line = line.split(" #")[0].strip()
+        if "python -m vmoe_ext.main" in line and "..." not in line:
+          command = line[line.index("python -m vmoe_ext.main"):]
+          if command.count('"') % 2:  # Inside a quoted remote command.
+            command = command.rstrip('"')
+          out.append((name, command))
+  return sorted(set(out))
+
+
+COMMANDS = documented_commands()
+
+
+def _resolve(argv: list[str]):
+  value, rest = _split_config_flag(argv)
+  config = prepare_overrides(load_config_flag(value), rest, CONFIG)
+  rest = take_none_overrides(config, rest, CONFIG)
+  values = absl_flags.FlagValues()
+  config_flags.DEFINE_config_dict("config", config, flag_values=values,
+                                  lock_config=True, sys_argv=rest)
+  values(["prog", *(a for a in rest[1:] if a.startswith("--config."))])
+  return resolved(values.config)
+
+
+def test_the_docs_print_binary_commands():
+  files = {name for name, _ in COMMANDS}
+  assert {"README.md", "docs/carving.md", "docs/imagenet.md",
+          "docs/robustness.md", "docs/sharding.md"} <= files, files
+  assert len(COMMANDS) >= 15
+
+
+@pytest.mark.parametrize("where,command", COMMANDS,
+                         ids=[f"{w}:{c[24:70]}" for w, c in COMMANDS])
+def test_a_documented_command_resolves(where, command, monkeypatch):
+  monkeypatch.chdir(ROOT)  # Commands are run from the repository root.
+  words = [w for w in shlex.split(command)[3:] if not w.startswith("[")]
+  for word in words:
+    flag = word.split("=")[0]
+    assert flag.startswith("--config") or flag in BINARY_FLAGS, (
+        f"{where}: {command}: unknown flag {flag}")
+  try:
+    config = _resolve(["prog", *words])
+  except ConfigError as e:
+    # Only data this machine lacks: the command is right otherwise.
+    assert e.field.startswith(DATA_FIELDS) or ".source" in e.field, (
+        f"{where}: {command}: {e}")
+    return
+  assert config.train.total_steps > 0
+  if _split_config_flag(["prog", *words])[0] == DEFAULT_CONFIG:
+    assert config.data.name == "mnist5k"
