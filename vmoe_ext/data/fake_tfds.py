@@ -103,3 +103,26 @@ def build_fake_imagenet(data_dir: Any, *, num_train: int, num_validation: int,
   FakeImagenet2012(data_dir=str(data_dir), file_format="array_record"
                    ).download_and_prepare(download_config=(
                        tfds.download.DownloadConfig(num_shards=num_shards)))
+
+
+def main(argv: Any = None) -> None:
+  """`python -m vmoe_ext.data.fake_tfds --data_dir=DIR`: writes the fake
+  imagenet2012 there (for a smoke test of `configs/imagenet.py`,
+  docs/imagenet.md)."""
+  import argparse
+  parser = argparse.ArgumentParser(description=main.__doc__)
+  parser.add_argument("--data_dir", required=True)
+  parser.add_argument("--num_train", type=int, default=256)
+  parser.add_argument("--num_validation", type=int, default=64)
+  parser.add_argument("--image_size", type=int, default=256,
+                      help="side of the square JPEGs")
+  args = parser.parse_args(argv)
+  build_fake_imagenet(args.data_dir, num_train=args.num_train,
+                      num_validation=args.num_validation,
+                      image_size=(args.image_size, args.image_size))
+  print(f"fake imagenet2012 ({args.num_train} train, {args.num_validation} "
+        f"validation images of {args.image_size} px) in {args.data_dir}")
+
+
+if __name__ == "__main__":
+  main()
