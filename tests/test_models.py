@@ -126,8 +126,8 @@ def test_single_expert_moe_equals_the_dense_vit():
     block["Moe"] = dict(block["Moe"], Mlp=jax.tree.map(lambda a: a[None],
                                                        mlp))
     moe_params[key] = block
-  dense_logits, _ = dense.apply({"params": dense_params}, IMAGES)
-  moe_logits, metrics = moe.apply({"params": moe_params}, IMAGES)
+  dense_logits, _ = jax.jit(dense.apply)({"params": dense_params}, IMAGES)
+  moe_logits, metrics = jax.jit(moe.apply)({"params": moe_params}, IMAGES)
   np.testing.assert_allclose(moe_logits, dense_logits, rtol=1e-5, atol=1e-6)
   assert set(metrics) == {"auxiliary_loss", "layer_0", "layer_1", "layer_2"}
   assert float(metrics["layer_1"]["drop_rate"]) == 0.0
@@ -136,9 +136,9 @@ def test_single_expert_moe_equals_the_dense_vit():
 def test_metrics_tree_and_sown_selected_experts():
   model = build_model(MODELS["vmoe_top2"])
   variables = _init(model)
-  (logits, metrics), state = model.apply(
-      variables, IMAGES, deterministic=False, rngs=RNGS,
-      mutable=["intermediates"])
+  (logits, metrics), state = jax.jit(lambda v, x: model.apply(
+      v, x, deterministic=False, rngs=RNGS, mutable=["intermediates"]))(
+          variables, IMAGES)
   assert logits.shape == (2, 5)
   assert model.moe_layers == (1,)
   layer = metrics["layer_1"]

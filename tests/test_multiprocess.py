@@ -47,17 +47,32 @@ _spec = importlib.util.spec_from_file_location("launch_local", LAUNCHER)
 launch_local = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(launch_local)
 
-# tests/fast_tiny_config.py (tiny V-MoE on digits, FGSM + one corruption
-# after training), 4 steps with a log line, an evaluation and a checkpoint
-# every 2; G = 64 * 5 / 10 evaluation groups split over 2 devices. Mesh
-# (1, 2): the 2 experts split over the expert axis, which spans the two
-# processes (all-to-alls between them; each saves its expert's shard).
-RUN_ARGS = ("--config=" + os.path.join(TESTS, "fast_tiny_config.py"),
+
+def documented_command() -> list[str]:
+  """The two-process command docs/sharding.md prints, as words."""
+  text = open(os.path.join(ROOT, "docs", "sharding.md")).read()
+  block = re.search(r"```bash\n(python scripts/launch_local\.py[^`]*)```",
+                    text).group(1)
+  words = shlex.split(block.replace("\\\n", " "))
+  return [w for w in words if not w.startswith("[")]  # Optional flags.
+
+
+# The documented command's binary arguments (configs/tiny.py: a tiny V-MoE
+# on digits; mesh (-1, 2): with 2 devices (1, 2), the 2 experts split over
+# the expert axis, which spans the two processes: all-to-alls between them,
+# each saves its expert's shard), with 4 steps (a log line, an evaluation and
+# a checkpoint every 2) and the attacks but no sweep or corruptions after
+# training. G = 64 * 5 / 10 evaluation groups split over 2 devices.
+_WORDS = documented_command()
+assert _WORDS[:3] == ["python", "scripts/launch_local.py",
+                      "--num_processes=2"], _WORDS
+assert _WORDS[3:5] == ["--", "--config=configs/tiny.py"], _WORDS
+RUN_ARGS = (*(w for w in _WORDS[4:] if not w.startswith("--workdir=")),
             "--config.train.total_steps=4", "--config.optimizer.warmup_steps=1",
             "--config.train.log_every=2", "--config.train.eval_every=2",
             "--config.train.checkpoint_every=2",
-            "--config.data.eval_batch_size=64",
-            "--config.sharding.shape=(1, 2)")
+            "--config.robustness.sweep=None",
+            "--config.robustness.corruptions=None")
 
 
 def launch(*args, num_processes=2, timeout=300, **kw):
@@ -129,8 +144,9 @@ def _state(workdir: str, step: int):
 
 
 def test_two_processes_train_like_one_process_with_their_devices(tmp_path):
-  # The same global mesh (1, 2): one process with two devices, or two
-  # processes with one each (run side by side).
+  """docs/sharding.md's two-process command as printed (fewer steps, see
+  RUN_ARGS) against one process with two devices: the same global mesh
+  (1, 2), run side by side."""
   one, two = str(tmp_path / "one"), str(tmp_path / "two")
   single = subprocess.Popen(
       [sys.executable, "-m", "vmoe_ext.main", *RUN_ARGS, f"--workdir={one}"],
@@ -155,7 +171,8 @@ def test_two_processes_train_like_one_process_with_their_devices(tmp_path):
   records = read_metrics(two)
   assert [(r["split"], r["step"]) for r in records] == [
       ("train", 2), ("test", 2), ("train", 4), ("test", 4), ("routing", 4),
-      ("adversarial/fgsm", 4), ("corruption", 4)]
+      ("adversarial/fgsm", 4), ("adversarial/pgd", 4),
+      ("adversarial/spsa", 4)]
   for a, b in zip(read_metrics(one), records, strict=True):
     assert a.keys() == b.keys(), (a["split"], a.keys() ^ b.keys())
     for key in a:
@@ -227,37 +244,3 @@ def test_one_failing_process_ends_the_job(tmp_path):
   assert "process 1 exited with 3" in job.stderr
   assert "process 1 fails" in job.stderr  # The end of its log.
 
-
-def _documented_command() -> list[str]:
-  """The two-process command docs/sharding.md prints, as words."""
-  text = open(os.path.join(ROOT, "docs", "sharding.md")).read()
-  block = re.search(r"```bash\n(python scripts/launch_local\.py[^`]*)```",
-                    text).group(1)
-  words = shlex.split(block.replace("\\\n", " "))
-  return [w for w in words if not w.startswith("[")]  # Optional flags.
-
-
-def test_the_documented_two_process_command_runs(tmp_path):
-  """docs/sharding.md's `launch_local.py --num_processes=2 --
-  --config=configs/tiny.py` as printed (2 steps instead of 20, no eps
-  sweep or corruptions): two processes of one CPU device, the test split
-  evaluated and attacked in batches split over them."""
-  words = _documented_command()
-  assert words[:3] == ["python", "scripts/launch_local.py",
-                       "--num_processes=2"]
-  assert words[3:5] == ["--", "--config=configs/tiny.py"], words
-  workdir = str(tmp_path / "two")
-  args = [w if not w.startswith("--workdir=") else f"--workdir={workdir}"
-          for w in words[4:]]
-  done = launch(*args, "--config.train.total_steps=2",
-                "--config.train.eval_every=0",
-                "--config.optimizer.warmup_steps=1",
-                "--config.robustness.sweep=None",
-                "--config.robustness.corruptions=None",
-                log_dir=str(tmp_path / "logs"))
-  assert done.returncode == 0, done.stderr[-3000:]
-  records = read_metrics(workdir)
-  (final,) = [r for r in records if r.get("final")]
-  assert final["num_examples"] == 355
-  assert {"adversarial/fgsm", "adversarial/pgd", "adversarial/spsa"} <= {
-      r["split"] for r in records}

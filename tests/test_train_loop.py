@@ -185,8 +185,9 @@ def test_final_accuracy_matches_an_independent_evaluation(straight):
   _, state = restored_state(config, workdir)
   run = loop.setup(config, workdir + "_eval")
   correct = total = 0
+  apply = jax.jit(run.model.apply)  # One compilation, not op by op.
   for batch in run.eval_batches():
-    logits, _ = run.model.apply({"params": state.params}, batch["image"])
+    logits, _ = apply({"params": state.params}, batch["image"])
     pred = np.argmax(np.asarray(logits), -1)
     keep = np.asarray(batch["mask"])
     correct += int(np.sum((pred == batch["label"])[keep]))
