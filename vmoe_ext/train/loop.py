@@ -188,7 +188,9 @@ def train_loop(run: Any, writer: MetricWriter, history: list, sigterm: list,
         writer.write(step, "train", {
             **mean, **router_state_metrics(run.state.collections),
             "examples_seen": seen, "epoch": seen / train_examples,
-            "images_per_second": rate * batch_size})
+            # None when only the first step (compiling) ran since the
+            # start or the resume: nothing timed yet.
+            "images_per_second": rate * batch_size if rate > 0 else None})
         bar.set_postfix(loss=f"{float(metrics['loss']):.3f}")
         speed = (f"{rate:.2f} steps/s, ETA "
                  f"{duration((total - step) / rate)}" if rate > 0
