@@ -163,10 +163,10 @@ def drop_deselected(config: ml_collections.ConfigDict, preview: dict,
                                                      ml_collections.ConfigDict):
     return []
   notes = []
-  before = plain(config)
+  preview = preview if isinstance(preview, dict) else {}
+  new = _fields_or_none(root, preview)
   if callable(root.fields):
-    old = _fields_or_none(root, before)
-    new = _fields_or_none(root, preview)
+    old = _fields_or_none(root, plain(config))
     if old is not None and new is not None and old != new:
       gone = [k for k in config if k in old and k not in new
               and f"{path}{k}" not in overridden]
@@ -179,12 +179,12 @@ def drop_deselected(config: ml_collections.ConfigDict, preview: dict,
             f"{path.rstrip('.')}: overriding {', '.join(changed) or 'it'} "
             f"leaves out {', '.join(gone)} (set by the config file for the "
             "previous choice): dropped")
-  fields = _fields_or_none(root, preview) or set()
-  for k in fields & set(config.keys()):
-    child = config[k]
-    notes += drop_deselected(child, preview.get(k) if isinstance(
-        preview, dict) else {}, root.fields_of(preview if isinstance(
-            preview, dict) else {})[k], overridden, f"{path}{k}.")
+  if new is None:
+    return notes
+  specs = root.fields_of(preview)
+  for k in new & set(config.keys()):
+    notes += drop_deselected(config[k], preview.get(k), specs[k], overridden,
+                             f"{path}{k}.")
   return notes
 
 
@@ -259,5 +259,6 @@ def take_none_overrides(config: ml_collections.ConfigDict,
   return rest
 
 
-__all__ = ["drop_deselected", "field_spec", "literal", "overrides", "prepare_overrides",
+__all__ = ["drop_deselected", "field_spec", "literal", "overrides",
+           "prepare_overrides",
            "take_none_overrides"]
