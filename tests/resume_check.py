@@ -22,21 +22,32 @@ def straight_vs_resumed(config: Callable[[], Any], tmp_path: Any,
   """Trains `config()` straight and with a stop at `stop_at_step` + resume.
 
   Asserts that both runs end with the same final metrics and bit-identical
-  params and collections (router state). Returns `(final metrics, state)`.
+  params and collections (router state), taken from each run's context
+  after its final evaluation (the resumed run's state is the one restored
+  from the checkpoint and trained on). Returns `(final metrics, state)`.
   """
-  straight = str(tmp_path / "straight")
-  final = loop.train_and_evaluate(config(), straight)
+  states = {}
+
+  def keep_state(name: str) -> Callable[..., list]:
+    def hook(run: Any, writer: Any) -> list:
+      del writer
+      states[name] = run.state
+      return []
+    return hook
+
+  final = loop.train_and_evaluate(config(), str(tmp_path / "straight"),
+                                  after_training=keep_state("straight"))
   resumed = str(tmp_path / "resumed")
   assert loop.train_and_evaluate(config(), resumed,
                                  stop_at_step=stop_at_step) is None
-  assert loop.train_and_evaluate(config(), resumed) == final
-  states = []
+  assert "resumed" not in states
+  assert loop.train_and_evaluate(config(), resumed,
+                                 after_training=keep_state("resumed")) == final
   total = config().train.total_steps
-  for workdir in (straight, resumed):
-    run = loop.setup(config(), workdir)
-    assert run.restore() == total
-    run.checkpoints.close()
-    states.append(run.state)
-  chex.assert_trees_all_equal(states[0].params, states[1].params)
-  chex.assert_trees_all_equal(states[0].collections, states[1].collections)
-  return final, states[0]
+  for state in states.values():
+    assert int(state.step) == total
+  chex.assert_trees_all_equal(states["straight"].params,
+                              states["resumed"].params)
+  chex.assert_trees_all_equal(states["straight"].collections,
+                              states["resumed"].collections)
+  return final, states["straight"]

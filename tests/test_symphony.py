@@ -238,14 +238,14 @@ def test_checkpoint_resume_bit_identical_with_acmoe_base(tmp_path):
 
 
 
-@pytest.mark.parametrize("router", [
-    {"name": "symphony", "base": {"name": "noisy_topk", "num_selected": 2}},
-    {"name": "symphony", "base": {"name": "acmoe", "base": {
-        "name": "noisy_topk", "num_selected": 2}}},
-])
-def test_eight_data_parallel_devices_equal_one(router):
-  """A batch of 16 images split over 8 CPU devices updates the graph (twice)
-  to the single-device graph; without the axis the shards would differ."""
+def test_eight_data_parallel_devices_equal_one():
+  """Symphony over ACMoE (both reduce over the data axis): a batch of 16
+  images split over 8 CPU devices updates the graph (twice) to the
+  single-device graph; without the axis the shards would differ. (Symphony
+  over top-k on the (8, 1) mesh, through the train step, is
+  test_sharding.py's.)"""
+  router = {"name": "symphony", "base": {"name": "acmoe", "base": {
+      "name": "noisy_topk", "num_selected": 2}}}
   (one_logits, *one_graphs), (many_logits, *many_graphs) = (
       one_vs_eight_devices(router))
   assert np.abs(np.asarray(one_logits)).max() > 0.1
