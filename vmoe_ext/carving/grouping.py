@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-from scipy.optimize import linear_sum_assignment
 
 from vmoe_ext.errors import require
 
@@ -70,6 +69,9 @@ def balanced_assignment(cost: np.ndarray, size: int
   n, k = cost.shape
   require(n == k * size, "carve.num_experts",
           f"{n} units do not fill {k} clusters of {size}")
+  # Imported here: scipy.optimize takes ~0.4 s to import, and every run of
+  # the binary imports this module (the carve mode), carving or not.
+  from scipy.optimize import linear_sum_assignment
   square = np.repeat(cost, size, axis=1)
   rows, cols = linear_sum_assignment(square)
   labels = np.empty(n, np.int64)
