@@ -30,6 +30,10 @@ DATA_COMMON: dict[str, Spec] = {
     "pad": Field("int", None, nullable=True, low=0),
     "mean": _STAT,
     "std": _STAT,
+    "analysis_tsne_tokens": Field("int", 1000, low=0,
+                                  doc="MoE-input tokens per layer in the "
+                                      "routing analysis's t-SNE figure "
+                                      "(fewer than 10: no figure)"),
 }
 DATA_TFDS: dict[str, Spec] = {
     "tfds_name": Field("str", REQUIRED),

@@ -46,7 +46,7 @@ from vmoe_ext.train.forward import Forward
 
 Array = jax.Array
 MAP_IMAGES = 8        # images in expert_maps.png
-TSNE_TOKENS = 1000    # tokens per MoE layer in tsne_experts.png
+TSNE_TOKENS = 1000    # tokens per MoE layer in tsne_experts.png (default)
 TSNE_ITERATIONS = 500
 
 

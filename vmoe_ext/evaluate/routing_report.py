@@ -43,7 +43,8 @@ def evaluate_routing(model: nn.Module, variables: Mapping[str, Any],
   Args:
     model, variables: the trained model.
     test: the raw test split (every example once, padded batches).
-    data_config: its preprocessing (`image_size`, normalisation).
+    data_config: its preprocessing (`image_size`, normalisation) and
+      `analysis_tsne_tokens`.
     batch_size: evaluation batch size.
     writer, step: where the `routing` line goes.
     workdir: where the PNGs go.
@@ -65,6 +66,7 @@ def evaluate_routing(model: nn.Module, variables: Mapping[str, Any],
                     desc="routing") as bar:
     analysis = analyze_routing(model, variables, batches, mean=mean, std=std,
                                map_examples=map_examples(len(test)),
+                               num_tokens=data_config.analysis_tsne_tokens,
                                seed=seed, on_batch=lambda: bar.update(1),
                                partitioning=partitioning)
     if analysis is None:
