@@ -51,6 +51,7 @@ from ml_collections import config_flags
 from vmoe_ext.app.carve import carve_checkpoint
 from vmoe_ext.app.context import resolved
 from vmoe_ext.app.evaluate import evaluate_checkpoint, output_dir
+from vmoe_ext.app.memory import check_attack_memory
 from vmoe_ext.app.schema import CONFIG
 from vmoe_ext.app.train import train_and_evaluate
 from vmoe_ext.config.overrides import prepare_overrides, take_none_overrides
@@ -215,7 +216,7 @@ def run(config, workdir: str) -> str:
   # Every run: the routing analysis, then the robustness evaluation if set.
   train_and_evaluate(config, workdir,
                      after_training=after_training_hook(config, workdir),
-                     handle_sigterm=True)
+                     preflight=check_attack_memory, handle_sigterm=True)
   return os.path.join(workdir, "report.md")
 
 

@@ -40,8 +40,9 @@ def train_and_evaluate(config: Any, workdir: str, *,
                        = None,
                        stop_at_step: Optional[int] = None,
                        handle_sigterm: bool = False,
-                       data: Optional[DataSource] = None
-                       ) -> Optional[dict[str, Any]]:
+                       data: Optional[DataSource] = None,
+                       preflight: Optional[Callable[[RunContext], None]]
+                       = None) -> Optional[dict[str, Any]]:
   """Trains, evaluates, checkpoints and reports; returns the final metrics.
 
   Args:
@@ -66,6 +67,9 @@ def train_and_evaluate(config: Any, workdir: str, *,
       preemption sync point (SIGTERM to any one of them stops them all at
       the same step), and Ctrl-C stops at once.
     data: the run's data instead of the one the config describes (tests).
+    preflight: optional check of the assembled run before anything is
+      written or trained (the binary passes
+      `vmoe_ext.app.memory.check_attack_memory`).
 
   Multi-process jobs (`jax.process_count() > 1`, every process given the
   same `workdir` on a shared file system): every process trains, evaluates
@@ -75,6 +79,8 @@ def train_and_evaluate(config: Any, workdir: str, *,
   """
   start = time.time()
   run = setup(config, workdir, data=data)  # Nothing written yet.
+  if preflight is not None:
+    preflight(run)
   with WorkdirLock(workdir), contextlib.ExitStack() as stack:
     resumed = run.restore()
     if resumed is not None and is_main_process():
