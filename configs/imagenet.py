@@ -51,6 +51,12 @@ Options:
       hardware that cannot hold the papers' (the binary trains on one
       device today): the same epochs (total and warmup steps scaled by
       paper batch / N), the same learning rate.
+  smoke             NOT the papers' setting: a smoke test of the whole
+      config on small batches (`python -m vmoe_ext.data.fake_tfds` data,
+      docs/imagenet.md): 2 training steps of `batch_size` images (default
+      16, one warm-up step), evaluation, routing analysis and each attack on
+      one batch (PGD 2 steps, SPSA 1 step of 2 directions), no sweep and no
+      robustness datasets.
 
 Every config ends with the ImageNet robustness section: FGSM, vmoe's PGD
 (40 steps) and SPSA at eps 1/255, a PGD sweep over 0..5/255, ImageNet-C
@@ -92,6 +98,8 @@ SOFT_S = dict(hidden_size=384, num_layers=12, mlp_dim=1536, num_heads=6)
 MODELS = ("vmoe_s32_every2", "vmoe_s32_last2", "vmoe_s32_every2_ft",
           "vmoe_s32_last2_ft", "soft_s16", "vit_s32")
 OPTIONS = ("randaug", "data_dir", "imagenet_o", "checkpoint", "batch_size")
+FLAGS = ("smoke",)  # Options without a value.
+SMOKE_BATCH = 16
 
 
 def _sibling(name: str):
@@ -108,7 +116,7 @@ def _sibling(name: str):
 def parse_arg(arg):
   """`MODEL[,key=value,...]` -> (model, options); ConfigError("--config")."""
   usage = (f"expected MODEL[,randaug=...,data_dir=...,imagenet_o=...,"
-           f"checkpoint=...,batch_size=...] with MODEL one of "
+           f"checkpoint=...,batch_size=...,smoke] with MODEL one of "
            f"{list(MODELS)}")
   parts = [p.strip() for p in (arg or "").split(",")]
   model, options = parts[0], {}
@@ -116,10 +124,14 @@ def parse_arg(arg):
     raise ConfigError(FIELD, f"configs/imagenet.py: unknown model {model!r} "
                       f"in {arg!r}; {usage}")
   for part in parts[1:]:
+    if part in FLAGS:
+      options[part] = True
+      continue
     key, eq, value = part.partition("=")
     if not eq or key not in OPTIONS or not value:
       raise ConfigError(FIELD, f"configs/imagenet.py: bad option {part!r} in "
-                        f"{arg!r}; options are {list(OPTIONS)} as key=value")
+                        f"{arg!r}; options are {list(OPTIONS)} as key=value "
+                        f"and {list(FLAGS)}")
     options[key] = value
   fine_tune = model.endswith("_ft")
   if "randaug" in options:
@@ -267,7 +279,8 @@ def get_config(arg=None):
   config = ml_collections.ConfigDict()
   config.seed = 0
   if fine_tune:  # vmoe: 10k steps of 1024 images, 500 warmup steps.
-    batch = options.get("batch_size", 1024)
+    batch = options.get("batch_size",
+                        SMOKE_BATCH if options.get("smoke") else 1024)
     steps = ml_collections.FieldReference(round(10_000 * 1024 / batch))
     config.data = _data(batch, PP_TRAIN_FT, PP_EVAL_FT,
                         options.get("data_dir"))
@@ -303,7 +316,8 @@ def get_config(arg=None):
     # big_vision's mixup (fold_in=None) draws one weight per batch; vmoe's
     # one per device group.
     granularity = "batch" if model == "soft_s16" else "device"
-    batch = options.get("batch_size", paper)
+    batch = options.get("batch_size",
+                        SMOKE_BATCH if options.get("smoke") else paper)
     steps = ml_collections.FieldReference(train_steps(300, batch, rounding))
     config.data = _data(batch, pp_train, PP_EVAL, options.get("data_dir"))
     config.optimizer = dict(
@@ -319,4 +333,25 @@ def get_config(arg=None):
         mixup=dict(concentration=MIXUP[aug], size=2, granularity=granularity,
                    groups=None))
   config.robustness = imagenet_robustness(options.get("imagenet_o"))
+  if options.get("smoke"):
+    smoke(config, steps)
   return config
+
+
+def smoke(config: ml_collections.ConfigDict,
+          steps: ml_collections.FieldReference) -> None:
+  """The `smoke` option (module docstring), in place."""
+  batch = config.data.batch_size
+  steps.set(2)
+  config.optimizer.warmup_steps = 1
+  config.data.update(eval_batch_size=batch, analysis_examples=batch,
+                     worker_count=0)
+  config.train.update(log_every=1, eval_every=0, checkpoint_every=2)
+  eps = config.robustness.attacks[0]["eps"]
+  config.robustness.num_examples = batch
+  config.robustness.sweep = None
+  config.robustness.datasets = None
+  config.robustness.attacks = (
+      dict(name="fgsm", eps=eps),
+      dict(name="pgd", eps=eps, steps=2, vmoe_compatible=True),
+      dict(name="spsa", eps=eps, steps=1, samples=2))

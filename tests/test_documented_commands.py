@@ -5,6 +5,8 @@ valid value. Checked through the binary's own flag path (`parse_flags`'
 steps) and config resolution, in one process, without training (running
 each would take minutes). A command whose only problem is data that is not
 on this machine (a `data_dir`, a checkpoint) must fail on exactly that field.
+CI runs the commands themselves, shortened to a few steps:
+`tests/run_documented_commands.py`.
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ def _code_blocks(text: str) -> list[str]:
 
 
 def documented_commands() -> list[tuple[str, str]]:
-  """`(file, command)` for every binary command of the docs."""
+  """`(file, command)` for every binary command of the docs, once each (at
+  its first page), in the order the pages print them."""
   out = []
   for name in DOCS:
     text = open(os.path.join(ROOT, name), encoding="utf-8").read()
@@ -57,8 +60,9 @@ def documented_commands() -> list[tuple[str, str]]:
           command = line[line.index("python -m vmoe_ext.main"):]
           if command.count('"') % 2:  # Inside a quoted remote command.
             command = command.rstrip('"')
-          out.append((name, command))
-  return sorted(set(out))
+          if command not in [c for _, c in out]:
+            out.append((name, command))
+  return out
 
 
 COMMANDS = documented_commands()

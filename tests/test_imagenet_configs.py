@@ -26,6 +26,7 @@ from vmoe_ext.errors import ConfigError
 from vmoe_ext.models import build_model
 from vmoe_ext.train.config_files import (CONFIG_DIR, load_config,
                                          load_config_flag)
+from vmoe_ext.app.context import resolved as resolve
 from vmoe_ext.app.schema import validate_config
 
 MODELS = ("vmoe_s32_every2", "vmoe_s32_last2", "vmoe_s32_every2_ft",
@@ -392,6 +393,33 @@ def test_robustness_section_is_the_imagenet_protocol():
   assert config.data.analysis_examples == 1024
 
 
+@pytest.mark.parametrize("arg,batch", [("vmoe_s32_last2,smoke", 16),
+                                       ("vit_s32,smoke,batch_size=8", 8),
+                                       ("vmoe_s32_every2_ft,smoke", 16)])
+def test_the_smoke_option_shrinks_steps_batches_and_attacks_only(arg, batch):
+  """Two steps (one warm-up), every batch `batch` images, the three attacks
+  cut to a step or two on one batch, no sweep or datasets; the model, the
+  preprocessing and the learning rate are the paper config's."""
+  model = arg.split(",")[0]
+  paper, config = _config(model), _config(arg)
+  config.data.data_dir = paper.data.data_dir = "/data"
+  resolved = resolve(config)
+  assert (resolved.train.total_steps, resolved.optimizer.total_steps,
+          resolved.optimizer.warmup_steps) == (2, 2, 1)
+  assert (resolved.data.batch_size, resolved.data.eval_batch_size,
+          resolved.data.analysis_examples) == (batch, batch, batch)
+  assert resolved.robustness.num_examples == batch
+  assert resolved.robustness.sweep is None
+  assert not resolved.robustness.datasets
+  eps = paper.robustness.attacks[0]["eps"]
+  assert [(a["name"], a["eps"], a.get("steps")) for a in
+          resolved.robustness.attacks] == [("fgsm", eps, None),
+                                           ("pgd", eps, 2), ("spsa", eps, 1)]
+  assert config.model.to_dict() == paper.model.to_dict()
+  assert config.data.pp_train == paper.data.pp_train
+  assert config.optimizer.learning_rate == paper.optimizer.learning_rate
+
+
 # ---------------------------------------------------------- bad arguments
 
 
@@ -402,6 +430,7 @@ def test_robustness_section_is_the_imagenet_protocol():
     ("vit_s32,checkpoint=/x", "checkpoint= is for the _ft models"),
     ("vit_s32,foo=1", "bad option 'foo=1'"),
     ("vit_s32,randaug", "bad option 'randaug'"),
+    ("vit_s32,smoke=1", "bad option 'smoke=1'"),
     ("vit_s32,batch_size=12", "batch_size must be a positive multiple of 8"),
 ])
 def test_bad_arguments_are_config_errors_naming_the_argument(arg, needle):
