@@ -11,7 +11,8 @@ there), with
   * `--config.train.total_steps=2` (one warm-up step, a log line every
     step, no periodic evaluation) appended, the robustness evaluation cut
     to 32 examples where the command's config has one, and every
-    `--workdir` moved into the scratch directory;
+    `--workdir` moved into the scratch directory (a command without one
+    trains into the binary's default `./runs/default` there);
   * `data_dir` values (`DIR`, `/data/tfds`, ...) pointed at a fake
     `imagenet2012` made with `python -m vmoe_ext.data.fake_tfds`;
   * 8 fake CPU devices for a command with a `sharding.shape`;
@@ -20,8 +21,8 @@ there), with
     fast-compile ones make the 224-px ImageNet command's steps many times
     slower.
 
-Two commands run at a time (each is mostly one core); the carving
-walk-through's four steps, which build on each other, run in order. A
+Two commands run at a time (each is mostly one core); those that read
+another's workdir run after it (`chain`). A
 command that needs what this machine cannot have is listed as skipped with
 the reason (a released checkpoint, CIFAR-10, ImageNet-O, a cloud bucket, or
 a paper-size batch of 224-px images); the test suite still checks that it
@@ -62,8 +63,19 @@ SKIP = (
     ("cifar10", "needs CIFAR-10 prepared with TFDS"),
     ("imagenet_o=", "needs ImageNet-O"),
 )
-# Pages whose commands build on each other: run in order, one at a time.
-CHAINED = ("docs/carving.md",)
+DEFAULT_RUN = "python -m vmoe_ext.main"  # Trains into ./runs/default.
+
+
+def chain(where: str, command: str) -> str:
+  """Commands that build on another's workdir share a chain and run in
+  order: the carving walk-through's four steps, and docs/robustness.md's
+  checkpoint evaluation after the default run whose `./runs/default` it
+  reads. Every other command is a chain of its own."""
+  if where == "docs/carving.md":
+    return where
+  if command == DEFAULT_RUN or where == "docs/robustness.md":
+    return "runs/default"
+  return command
 # ImageNet configs run at the paper's batch (4,096 images at 224 px) on this
 # machine only with the config's smoke option.
 SMALL_IMAGENET = ",smoke"
@@ -90,8 +102,6 @@ def shortened(command: str, scratch: str, fake_data: str) -> list[str]:
     elif flag.endswith(".data_dir") and value in FAKE_DATA:
       value = fake_data
     out.append(f"{flag}={value}" if _ else word)
-  if not any(w.startswith("--workdir") for w in out):
-    out.append(f"--workdir={os.path.join(scratch, 'default_workdir')}")
   out += STEPS
   config = _resolve(["prog", *out])
   if config.get("robustness") is not None:
@@ -139,8 +149,8 @@ def _run_one(where: str, command: str, scratch: str, fake_data: str
 
 
 def _run_all(commands: list[tuple[str, str]], scratch: str) -> int:
-  """Runs the commands two at a time (each is mostly one core), those of
-  one page that build on each other (CHAINED) in order."""
+  """Runs the commands two at a time (each is mostly one core), those
+  that build on each other (`chain`) in order."""
   os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(scratch, "jax_cache")
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
   os.symlink(os.path.join(ROOT, "configs"), os.path.join(scratch, "configs"))
@@ -157,8 +167,7 @@ def _run_all(commands: list[tuple[str, str]], scratch: str) -> int:
       skipped += 1
       print(f"skip  {where}: {command}\n      ({why})", flush=True)
       continue
-    key = where if where in CHAINED else command
-    chains.setdefault(key, []).append((where, command))
+    chains.setdefault(chain(where, command), []).append((where, command))
   lock = threading.Lock()
   results = []
 
