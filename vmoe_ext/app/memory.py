@@ -78,23 +78,19 @@ def attack_step_bytes(run: Any) -> int:
                                 sharding=part.sharding_of(shape))
   labels = jax.ShapeDtypeStruct(shape[:1], jnp.int32,
                                 sharding=part.sharding_of(shape[:1]))
-  abstract = jax.tree.map(
-      lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding),
-      variables)
-  stats = jax.jit(step).lower(abstract, images, labels).compile(
+  stats = jax.jit(step).lower(variables, images, labels).compile(
       ).memory_analysis()
   if stats is None:  # A backend without the analysis.
     return 0
-  arguments = int(stats.argument_size_in_bytes) - _device_bytes(abstract)
   return (int(stats.temp_size_in_bytes) + int(stats.output_size_in_bytes)
-          + max(0, arguments) - int(stats.alias_size_in_bytes))
+          - int(stats.alias_size_in_bytes) + _device_bytes((images, labels)))
 
 
-def _device_bytes(abstract: Any) -> int:
-  """Bytes of `abstract`'s leaves that one device holds."""
+def _device_bytes(tree: Any) -> int:
+  """Bytes of `tree`'s (abstract) arrays that one device holds."""
   return sum(math.prod(leaf.sharding.shard_shape(leaf.shape))
              * np.dtype(leaf.dtype).itemsize
-             for leaf in jax.tree.leaves(abstract))
+             for leaf in jax.tree.leaves(tree))
 
 
 def check_attack_memory(run: Any) -> None:
