@@ -240,3 +240,61 @@ def check_bool(value: Any, field: str) -> None:
 def check_key(key: Optional[Array], needed: bool, why: str) -> None:
   """A PRNG key must be given when `needed`."""
   require(key is not None or not needed, "attack.key", f"required {why}")
+
+
+# -- Losses and bookkeeping of the AutoAttack family ------------------------
+
+
+def _sorted_logits(logits: Array) -> Array:
+  """`[B, C]` float32 logits sorted in decreasing order."""
+  return -jnp.sort(-logits.astype(jnp.float32), axis=-1)
+
+
+def dlr_loss(logits: Array, labels: Array) -> Array:
+  """Untargeted difference-of-logits-ratio loss `[B]` (Croce & Hein 2020):
+
+      DLR(z, y) = -(z_y - max_{i != y} z_i) / (z_pi1 - z_pi3 + 1e-12)
+
+  with `z_pi1 >= z_pi2 >= ...` the sorted logits; invariant to shifting and
+  rescaling the logits, positive iff the example is misclassified. Needs
+  C >= 3 classes."""
+  z = logits.astype(jnp.float32)
+  zs = _sorted_logits(z)
+  return -margin_loss(z, labels) / (zs[:, 0] - zs[:, 2] + 1e-12)
+
+
+def dlr_targeted_loss(logits: Array, labels: Array, targets: Array) -> Array:
+  """Targeted DLR loss `[B]` (Croce & Hein 2020, APGD-T):
+
+      -(z_y - z_t) / (z_pi1 - (z_pi3 + z_pi4) / 2 + 1e-12)
+
+  ascended to push the target `t` above the true class `y`. Needs C >= 4."""
+  z = logits.astype(jnp.float32)
+  zs = _sorted_logits(z)
+  pick = lambda c: jnp.take_along_axis(z, c[:, None], axis=-1)[:, 0]  # noqa: E731
+  return -(pick(labels) - pick(targets)) / (
+      zs[:, 0] - 0.5 * (zs[:, 2] + zs[:, 3]) + 1e-12)
+
+
+def misclassified(logits: Array, labels: Array) -> Array:
+  """`[B]` bool: top-1 prediction differs from `labels` (ties count as
+  correct, as `classification.topk_correct`)."""
+  return ~classification.topk_correct(logits, labels, 1)
+
+
+def per_example(mask: Array, x: Array) -> Array:
+  """`mask [B]` broadcast against `x [B, ...]`."""
+  return mask.reshape((-1,) + (1,) * (x.ndim - 1))
+
+
+def where_examples(mask: Array, a: Array, b: Array) -> Array:
+  """Per example: `a[b]` where `mask[b]`, else `b[b]` (`[B, ...]`)."""
+  return jnp.where(per_example(mask, a), a, b)
+
+
+def top_targets(logits: Array, rank: int) -> Array:
+  """`[B]` the class with the `rank`-th largest logit (rank 1 = the top
+  class): AutoAttack's target classes are ranks 2..n_target_classes+1 of
+  the clean logits."""
+  order = jnp.argsort(-logits.astype(jnp.float32), axis=-1, stable=True)
+  return order[:, rank - 1].astype(jnp.int32)
