@@ -386,11 +386,41 @@ def apgd(logits_fn: base.LogitsFn, x: Array, labels: Array, *, eps: float,
                          clip_min, clip_max)
 
 
-def _apgd(logits_fn, x, labels, key, eps, clip_min, clip_max, **static):
+def apgd_details(logits_fn: base.LogitsFn, x: Array, labels: Array, *,
+                 eps: float, key: Optional[Array] = None, norm: str = "linf",
+                 loss: str = "ce", steps: int = 100, restarts: int = 1,
+                 target_classes: int = 9, rho: float = 0.75,
+                 eot_iter: int = 1, schedule: str = "paper",
+                 clip_min: float = 0.0, clip_max: float = 1.0
+                 ) -> tuple[Array, dict[str, Array]]:
+  """`apgd` with its loss trajectory: `(x_adv, {"apgd_loss/apgd": [B,
+  steps + 1]})`, the best loss of the first run at each iteration (NaN for
+  examples misclassified at the clean image, which are not attacked)."""
+  check_apgd(eps=eps, norm=norm, loss=loss, steps=steps, restarts=restarts,
+             target_classes=target_classes, rho=rho, eot_iter=eot_iter,
+             schedule=schedule, clip_min=clip_min, clip_max=clip_max)
+  base.check_inputs(x, labels)
+  base.check_key(key, True, "(APGD starts from a random point)")
+  static = dict(norm=norm, loss=loss, steps=steps, restarts=restarts,
+                target_classes=target_classes, rho=rho, eot_iter=eot_iter,
+                schedule=schedule)
+  return base.run_jitted(_apgd_details, logits_fn, static, x, labels, key,
+                         eps, clip_min, clip_max)
+
+
+def _apgd_details(logits_fn, x, labels, key, eps, clip_min, clip_max,
+                  **static):
   check_classes(static["loss"], logits_fn, x)
   done = base.misclassified(logits_fn(x), labels)
-  return apgd_run(logits_fn, x, labels, key, x, done, eps, clip_min,
-                  clip_max, **static)[0]
+  x_adv, info = apgd_run(logits_fn, x, labels, key, x, done, eps, clip_min,
+                         clip_max, **static)
+  best = info["trace"]["loss_best"][0].T  # [B, steps + 1]
+  return x_adv, {"apgd_loss/apgd": jnp.where(done[:, None], jnp.nan, best)}
+
+
+def _apgd(logits_fn, x, labels, key, eps, clip_min, clip_max, **static):
+  return _apgd_details(logits_fn, x, labels, key, eps, clip_min, clip_max,
+                       **static)[0]
 
 
 def check_classes(loss: str, logits_fn: Callable[..., Any], x: Array
@@ -426,5 +456,5 @@ def check_apgd(*, eps, norm, loss, steps, restarts, target_classes, rho,
   base.check_range(clip_min, clip_max)
 
 
-__all__ = ["LOSSES", "SCHEDULES", "apgd", "apgd_run", "check_apgd",
+__all__ = ["LOSSES", "SCHEDULES", "apgd", "apgd_details", "apgd_run", "check_apgd",
            "checkpoints", "single_run", "start_point"]

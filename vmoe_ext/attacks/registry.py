@@ -17,6 +17,11 @@ A new attack is one module plus one line in `ATTACKS` (docs/robustness.md,
   stays unchecked). The config schema renames "attack" to the field's path
   (`robustness.attacks[1].eps`). `fn` may call it too, so that direct calls
   are checked as well (the built-in attacks do).
+* `details` (optional) — `fn` with per-example diagnostics: the same
+  signature, returning `(x_adv, {name: [B] or [B, T] array})`. The
+  evaluation averages them over the examples (NaN entries left out) into
+  the attack's metrics (`robustness_metrics`), e.g. AutoAttack's robust
+  accuracy after each of its attacks and APGD's loss trajectory.
 """
 
 from __future__ import annotations
@@ -44,9 +49,12 @@ class AttackSpec:
   Attributes:
     fn: the attack function, or its "package.module:attr" path.
     check: its config check, or its "package.module:attr" path.
+    details: optional `fn` with diagnostics (see the module docstring), or
+      its path.
   """
   fn: Union[Callable[..., Array], str]
   check: Union[Callable[..., None], str]
+  details: Union[Callable[..., Any], str, None] = None
 
 
 def config_fields(fn: Callable[..., Any]) -> dict[str, inspect.Parameter]:
@@ -97,7 +105,8 @@ class AttackRegistry(Registry):
     `field`, default "attack.name", if none; TypeError if it breaks the
     contract)."""
     spec = self.entries[self.check(name, field)]
-    spec = AttackSpec(resolve(spec.fn), resolve(spec.check))
+    spec = AttackSpec(resolve(spec.fn), resolve(spec.check),
+                      None if spec.details is None else resolve(spec.details))
     check_contract(name, spec)
     self.entries[name] = spec
     return spec
@@ -114,6 +123,16 @@ ATTACKS = AttackRegistry({
                       "vmoe_ext.attacks.projected_gradient:check_pgd"),
     "spsa": AttackSpec("vmoe_ext.attacks.gradient_free:spsa",
                        "vmoe_ext.attacks.gradient_free:check_spsa"),
+    "apgd": AttackSpec("vmoe_ext.attacks.apgd:apgd",
+                       "vmoe_ext.attacks.apgd:check_apgd",
+                       "vmoe_ext.attacks.apgd:apgd_details"),
+    "fab": AttackSpec("vmoe_ext.attacks.fab:fab",
+                      "vmoe_ext.attacks.fab:check_fab"),
+    "square": AttackSpec("vmoe_ext.attacks.square:square",
+                         "vmoe_ext.attacks.square:check_square"),
+    "autoattack": AttackSpec("vmoe_ext.attacks.autoattack:autoattack",
+                             "vmoe_ext.attacks.autoattack:check_autoattack",
+                             "vmoe_ext.attacks.autoattack:autoattack_details"),
 })
 
 
@@ -122,7 +141,7 @@ def get_attack(name: str) -> Callable[..., Array]:
   return ATTACKS.get(name)
 
 
-def make_attack(config: Mapping[str, Any]) -> Attack:
+def make_attack(config: Mapping[str, Any], details: bool = False) -> Attack:
   """`attack(logits_fn, x, labels, key=None) -> x_adv` from a config dict.
 
   `config = {"name": a registered attack, **its config fields}` (an
@@ -132,7 +151,9 @@ def make_attack(config: Mapping[str, Any]) -> Attack:
   naming the field ("attack.steps"). The returned function is pure and
   traceable; jit it together with the model, e.g.
   `jax.jit(lambda p, x, y, k: attack(lambda z: apply(p, z), x, y, k))`.
-  `key` is not passed to attacks that take none (FGSM).
+  `key` is not passed to attacks that take none (FGSM). With `details`
+  the function returns `(x_adv, diagnostics)`: the attack's `details`
+  function, or an empty dict for attacks without one.
   """
   config = dict(config.to_dict() if hasattr(config, "to_dict") else config)
   require("name" in config, "attack.name", "missing")
@@ -155,12 +176,18 @@ def make_attack(config: Mapping[str, Any]) -> Attack:
       resolved[field] = p.default
   spec.check(**resolved)
   takes_key = "key" in inspect.signature(fn).parameters
+  if details and spec.details is not None:
+    run = spec.details
+  elif details:
+    run = lambda *a, **k: (fn(*a, **k), {})  # noqa: E731
+  else:
+    run = fn
 
   def attack(logits_fn: LogitsFn, x: Array, labels: Array,
              key: Optional[Array] = None) -> Array:
     if takes_key:
-      return fn(logits_fn, x, labels, key=key, **config)
-    return fn(logits_fn, x, labels, **config)
+      return run(logits_fn, x, labels, key=key, **config)
+    return run(logits_fn, x, labels, **config)
 
   attack.__name__ = f"{name}_attack"
   attack.__doc__ = f"{name} attack with {config!r}."

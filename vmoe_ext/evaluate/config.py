@@ -54,7 +54,8 @@ def _check_sweep(value: dict[str, Any]) -> None:
 
 ATTACK = Section(
     _attack_fields({"num_examples": Field("int", None, nullable=True, low=1)}),
-    check=_make_attack, doc="{name: fgsm|pgd|spsa, **its arguments}")
+    check=_make_attack,
+    doc="{name: fgsm|pgd|spsa|apgd|fab|square|autoattack, **its arguments}")
 SWEEP = Section({
     "attack": Section(_attack_fields({}, exclude=("eps",))),
     "eps": Seq(Field("float", low=0.0), REQUIRED, min_length=1),

@@ -2,7 +2,8 @@
 
 The model sees its inputs normalised with the training data's statistics
 inside the jitted functions, so attacks and corruptions work in raw pixel
-units. It always runs deterministically (no router noise, no dropout).
+units. It runs deterministically (no router noise, no dropout), except the
+stochastic passes an EOT attack asks for (`logits_fn(x, key=k)`).
 
 Built on the one evaluation forward pass, `vmoe_ext.train.forward.Forward`:
 one jit and one global-array path for the clean forward, the attacks and
@@ -72,12 +73,15 @@ class Evaluator:
     """`(logits [B, classes], {block name: expert_mask [B, T, E]})`."""
     return self._forward(self.variables, x)
 
-  def attack(self, attack_config: Mapping[str, Any]) -> Callable:
+  def attack(self, attack_config: Mapping[str, Any],
+             details: bool = False) -> Callable:
     """Jitted `(x, labels, key) -> x_adv` for an attack config (with
-    `include_auxiliary_loss=True` the attack sees the auxiliary loss too)."""
-    key = repr(sorted(attack_config.items()))
+    `include_auxiliary_loss=True` the attack sees the auxiliary loss too).
+    `details`: `-> (x_adv, diagnostics)` (`make_attack`). The attack's
+    `logits_fn` also takes `key=` for a stochastic pass (EOT attacks)."""
+    key = repr((details, sorted(attack_config.items())))
     if key not in self._attacks:
-      attack = make_attack(dict(attack_config))
+      attack = make_attack(dict(attack_config), details=details)
       fn = (self.fwd.logits_and_aux
             if attack_config.get("include_auxiliary_loss") else self.fwd.logits)
       jitted = self.fwd.jit(lambda variables, x, y, k: attack(

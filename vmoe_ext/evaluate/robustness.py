@@ -28,6 +28,7 @@ from vmoe_ext.config.schema import plain
 from vmoe_ext.data import ArrayDataset, default_normalization, eval_batches
 from vmoe_ext.data.corruptions import CORRUPTIONS, corrupt
 from vmoe_ext.errors import require
+from vmoe_ext.evaluate.autoattack_report import autoattack_section
 from vmoe_ext.evaluate.config import ROBUSTNESS
 from vmoe_ext.evaluate.corruption_metrics import corruption_errors
 from vmoe_ext.evaluate.datasets import check_datasets, evaluate_datasets
@@ -69,18 +70,27 @@ def attack_metrics(evaluator: Evaluator, dataset: ArrayDataset,
 
   Returns `clean_accuracy`, `accuracy` and `top5_accuracy` (attacked),
   `prediction_change_rate` and, per MoE block, `layer_i/routing_change_rate`
-  (1 - IoU of each token's selected-expert set, averaged over tokens).
+  (1 - IoU of each token's selected-expert set, averaged over tokens), and
+  the attack's diagnostics averaged over the examples (registry `details`:
+  e.g. AutoAttack's `robust_after/<attack>`, APGD's `apgd_loss/<attack>`
+  trajectory).
   """
-  attack = evaluator.attack(attack_config)
-  total: dict[str, tuple[float, float]] = {}
+  attack = evaluator.attack(attack_config, details=True)
+  total: dict[str, tuple[Any, Any]] = {}
   key = jax.random.key(seed)
   num_batches = -(-len(dataset) // batch_size)
   batches = eval_batches(dataset, batch_size)  # raw [0, 1] images
   with progress_bar(total=num_batches, desc=desc) as bar:
     for i, batch in enumerate(batches):
       x, y, mask = batch["image"], batch["label"], batch["mask"]
-      x_adv = attack(jnp.asarray(x), jnp.asarray(y), jax.random.fold_in(key,
-                                                                        i))
+      x_adv, diagnostics = attack(jnp.asarray(x), jnp.asarray(y),
+                                  jax.random.fold_in(key, i))
+      for name, value in jax.device_get(diagnostics).items():
+        value = np.asarray(value, np.float64)[mask]
+        present = ~np.isnan(value)
+        s, w = total.get(name, (0.0, 0.0))
+        total[name] = (s + np.where(present, value, 0.0).sum(0),
+                       w + present.sum(0))
       logits, masks = jax.device_get(evaluator.forward(jnp.asarray(x)))
       logits_adv, masks_adv = jax.device_get(evaluator.forward(x_adv))
       n = float(mask.sum())
@@ -98,7 +108,9 @@ def attack_metrics(evaluator: Evaluator, dataset: ArrayDataset,
         _accumulate(total, f"{layer}/routing_change_rate",
                     routing_change_rate(m[mask], masks_adv[block][mask]), n)
       bar.update(1)
-    result = {k: s / max(w, 1.0) for k, (s, w) in total.items()}
+    result = {k: s / np.maximum(w, 1.0) for k, (s, w) in total.items()}
+    result = {k: float(v) if np.ndim(v) == 0 else v
+              for k, v in result.items()}
     if "accuracy" in result:
       progress_line(bar, f"{desc}: accuracy {result['accuracy']:.4f} (clean "
                     f"{result['clean_accuracy']:.4f}) on {len(dataset)} "
@@ -152,7 +164,7 @@ def evaluate_robustness(model: nn.Module, variables: Mapping[str, Any],
   sections = []
 
   if cfg["attacks"]:
-    rows = []
+    rows, results = [], []
     for attack in cfg["attacks"]:
       attack = dict(attack)
       n = attack.pop("num_examples", None)
@@ -163,6 +175,7 @@ def evaluate_robustness(model: nn.Module, variables: Mapping[str, Any],
       eps = attack.get("eps")
       writer.write(step, f"adversarial/{name}",
                    {**m, "eps": eps, "num_examples": len(subset)})
+      results.append((attack, m, len(subset)))
       routing = [v for k, v in sorted(m.items()) if "routing_change" in k]
       rows.append([name, eps, len(subset), m["clean_accuracy"],
                    m["accuracy"], m["prediction_change_rate"],
@@ -173,6 +186,7 @@ def evaluate_robustness(model: nn.Module, variables: Mapping[str, Any],
         "attacked inputs.\n\n" + markdown_table(
             ["attack", "eps", "examples", "clean acc", "adv acc",
              "prediction change", "routing change per MoE layer"], rows))
+    sections += autoattack_section(results, workdir)
 
   if cfg["sweep"]:
     sweep = dict(cfg["sweep"])

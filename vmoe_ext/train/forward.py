@@ -14,8 +14,10 @@ Every evaluation of a trained model calls it through `Forward`:
     fn = fwd.jit(lambda variables, x, idx: ..., replicated=(1,))
     result = fn(variables, host_images, host_index)
 
-The model always runs deterministically (no router noise, no dropout) and
-never updates its router state. With `mean`/`std` it takes raw images and
+The model runs deterministically (no router noise, no dropout) and never
+updates its router state; the one exception is `sample_logits` (the
+stochastic passes AutoAttack's "rand" version averages over), which draws
+router noise and dropout from a key and still updates no state. With `mean`/`std` it takes raw images and
 normalises them first (`(x - mean) / std`, inside the jitted function), so
 attacks and corruptions work in pixel units; without, images as the data
 pipeline normalised them.
@@ -124,10 +126,24 @@ class Forward:
     return forward_pass(self.model, variables, self.normalize(images),
                         intermediates=intermediates)
 
-  def logits(self, variables: Mapping[str, Any], images: Array) -> Array:
+  def logits(self, variables: Mapping[str, Any], images: Array,
+             key: Optional[Array] = None) -> Array:
     """`apply(...).logits`: an attack's `logits_fn` once `variables` are
-    bound."""
+    bound. With `key`: the logits of one stochastic pass instead
+    (`sample_logits`; AutoAttack's "rand" version averages over them)."""
+    if key is not None:
+      return self.sample_logits(variables, images, key)
     return self.apply(variables, images).logits
+
+  def sample_logits(self, variables: Mapping[str, Any], images: Array,
+                    key: Array) -> Array:
+    """Logits of one training-mode pass (`deterministic=False`: router noise
+    and dropout drawn from `key`); no router or stream state is updated."""
+    gating, dropout = jax.random.split(key)
+    logits, _ = self.model.apply(variables, self.normalize(images),
+                                 deterministic=False,
+                                 rngs={"gating": gating, "dropout": dropout})
+    return logits
 
   def logits_and_aux(self, variables: Mapping[str, Any],
                      images: Array) -> tuple[Array, Array]:

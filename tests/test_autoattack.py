@@ -1,0 +1,193 @@
+"""The AutoAttack ensemble: its bookkeeping with stub attacks (a point robust
+to one attack and broken by the next counts as broken; later attacks see
+the broken points at their adversarial points), the standard and rand
+versions on a tiny MLP and on the tiny V-MoE through the robustness
+evaluation (metrics, report, plot), and config errors."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from vmoe_ext.attacks import autoattack as AA
+from vmoe_ext.attacks import base, make_attack
+from vmoe_ext.data import ArrayDataset, load_dataset
+from vmoe_ext.errors import ConfigError
+from vmoe_ext.evaluate.robustness import evaluate_robustness
+from vmoe_ext.models import build_model
+from vmoe_ext.reporting.writers import MetricWriter
+from vmoe_ext.train.config_files import load_config
+
+B, SHAPE = 4, (2, 2, 1)
+
+
+def two_class(x):
+  """Class 0 iff the mean pixel is above 0.5 (logits `[s, -s]`)."""
+  s = jnp.mean(x.reshape(x.shape[0], -1), -1) - 0.5
+  return jnp.stack([s, -s], -1)
+
+
+def _stub(breaks, value=0.0, seen=None):
+  """A stage that moves the examples `breaks` to `value` (misclassified)
+  and records the `done` mask and start points it was given."""
+
+  def run(logits_fn, x0, labels, key, x_start, done, eps, lo, hi):
+    del logits_fn, labels, key, eps, lo, hi
+    if seen is not None:
+      seen.append((np.asarray(done), np.asarray(x_start)))
+    mask = jnp.zeros((x0.shape[0],), bool).at[jnp.asarray(breaks)].set(True)
+    mask = mask & ~done
+    return base.where_examples(mask, jnp.full_like(x0, value), x_start), {}
+
+  return run
+
+
+def test_chain_bookkeeping_with_stub_attacks():
+  x0 = jnp.full((B,) + SHAPE, 0.9)
+  x0 = x0.at[3].set(0.1)  # Example 3 is misclassified at the clean image.
+  labels = jnp.zeros((B,), jnp.int32)
+  seen = []
+  runs = [("apgd-ce", _stub([0], seen=seen)),
+          ("apgd-t", _stub([0, 1], value=0.2, seen=seen)),
+          ("square", _stub([2], seen=seen))]
+  x_adv, d = AA.run_chain(two_class, x0, labels, jax.random.key(0), 0.1,
+                          0.0, 1.0, runs)
+  np.testing.assert_array_equal(d["clean_correct"], [1, 1, 1, 0])
+  np.testing.assert_array_equal(d["robust_after/apgd-ce"], [0, 1, 1, 0])
+  np.testing.assert_array_equal(d["robust_after/apgd-t"], [0, 0, 1, 0])
+  np.testing.assert_array_equal(d["robust_after/square"], [0, 0, 0, 0])
+  np.testing.assert_array_equal(d["square_only"], [0, 0, 1, 0])
+  # The second attack saw example 0 done, at the first attack's point, and
+  # left it there (its own move of example 0 was not applied).
+  np.testing.assert_array_equal(seen[1][0], [1, 0, 0, 1])
+  assert np.all(seen[1][1][0] == 0.0)
+  assert np.all(np.asarray(x_adv[0]) == 0.0)
+  assert np.all(np.asarray(x_adv[1]) == 0.2)
+  np.testing.assert_array_equal(x_adv[3], x0[3])
+
+
+def _mlp_params(d=16, hidden=12, classes=5):
+  k1, k2 = jax.random.split(jax.random.key(0))
+  return (jax.random.normal(k1, (d, hidden)) / 4,
+          jax.random.normal(k2, (hidden, classes)) * 2)
+
+
+W1, W2 = _mlp_params()
+
+
+def mlp(x, key=None):
+  h = x.reshape(x.shape[0], -1)
+  if key is not None:  # A stochastic pass: multiplicative input noise.
+    h = h * (1 + 0.3 * jax.random.normal(key, h.shape))
+  return jnp.tanh(h @ W1) @ W2
+
+
+X = jax.random.uniform(jax.random.key(3), (8, 4, 4, 1))
+Y = jnp.argmax(mlp(X), -1).astype(jnp.int32)
+SMALL = dict(steps=6, queries=30, target_classes=3)
+
+
+def test_standard_version_on_a_tiny_mlp():
+  eps = 0.08
+  x_adv, d = AA.autoattack_details(mlp, X, Y, eps=eps, key=jax.random.key(1),
+                                   **SMALL)
+  after = [float(jnp.mean(d[f"robust_after/{s}"]))
+           for s in AA.VERSIONS["standard"]]
+  assert after == sorted(after, reverse=True)  # Never un-broken.
+  assert 0 < after[-1] < 1  # The case is not trivial.
+  # No batch coupling here: the bookkeeping equals the final evaluation.
+  acc = np.asarray(jnp.argmax(mlp(x_adv), -1) == Y)
+  np.testing.assert_array_equal(acc, d["robust_after/square"])
+  assert float(jnp.max(jnp.abs(x_adv - X))) <= eps + 1e-6
+  assert float(jnp.min(x_adv)) >= 0 and float(jnp.max(x_adv)) <= 1
+  # The ensemble is at least as strong as its first attack alone.
+  first = make_attack({"name": "apgd", "eps": eps, "steps": 6})
+  alone = first(mlp, X, Y, jax.random.key(1))
+  assert after[-1] <= float(jnp.mean(jnp.argmax(mlp(alone), -1) == Y))
+
+
+def test_rand_version_averages_stochastic_passes():
+  calls = []
+
+  def counting(x, key=None):
+    calls.append(key is not None)
+    return mlp(x, key)
+
+  x_adv = AA.autoattack(counting, X, Y, eps=0.08, key=jax.random.key(2),
+                        version="rand", steps=4, eot_iter=3)
+  assert any(calls)  # The EOT gradients came from stochastic passes.
+  assert float(jnp.max(jnp.abs(x_adv - X))) <= 0.08 + 1e-6
+  calls.clear()
+  AA.autoattack(counting, X, Y, eps=0.08, key=jax.random.key(2),
+                attacks=("apgd-ce",), steps=4)
+  assert calls and not any(calls)  # The standard version: deterministic.
+
+
+@pytest.mark.parametrize("field,value", [
+    ("version", "plus"), ("attacks", ("apgd-ce", "pgd")),
+    ("attacks", ("square", "square")), ("queries", 0), ("schedule", "x")])
+def test_config_errors_name_the_field(field, value):
+  with pytest.raises(ConfigError) as e:
+    make_attack({"name": "autoattack", "eps": 0.1, field: value})
+  assert e.value.field.startswith(f"attack.{field}")
+
+
+def test_target_classes_must_be_below_the_number_of_classes():
+  with pytest.raises(ConfigError) as e:
+    AA.autoattack(mlp, X, Y, eps=0.1, key=jax.random.key(0), steps=2,
+                  queries=2, target_classes=5)
+  assert e.value.field == "attack.target_classes"
+
+
+@pytest.fixture(scope="module")
+def tiny_vmoe():
+  config = load_config("tiny")
+  test = load_dataset(config.data)["test"]
+  idx = np.linspace(0, len(test) - 1, 16).round().astype(int)
+  data = ArrayDataset(test.images[idx], test.labels[idx], 10, "digits")
+  model = build_model(config.model)
+  variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros((8, 8, 8, 1)))
+  params = dict(variables["params"])  # A non-trivial head.
+  params["head"] = {**params["head"], "kernel": jax.random.normal(
+      jax.random.key(1), params["head"]["kernel"].shape)}
+  return config, model, {"params": params}, data
+
+
+def test_robustness_evaluation_reports_autoattack(tiny_vmoe, tmp_path):
+  config, model, variables, data = tiny_vmoe
+  eps = 0.1
+  # The full standard chain is tested on the MLP above; on the V-MoE (one
+  # compilation per attack) one white-box and the black-box attack, and the
+  # rand version's stochastic passes through the model's router noise.
+  robustness = {"attacks": (
+      {"name": "pgd", "eps": eps, "steps": 3},
+      {"name": "autoattack", "eps": eps, "attacks": ("apgd-ce", "square"),
+       **SMALL},
+      {"name": "autoattack", "eps": eps, "version": "rand", "steps": 3,
+       "attacks": ("apgd-dlr",), "eot_iter": 2, "num_examples": 8})}
+  with MetricWriter(str(tmp_path)) as writer:
+    sections = evaluate_robustness(
+        model, variables, data, config.data, robustness, batch_size=8,
+        writer=writer, step=0, workdir=str(tmp_path))
+  lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+  aa = [l for l in lines if l["split"] == "adversarial/autoattack"]
+  assert len(aa) == 2
+  standard = aa[0]
+  after = [standard[f"robust_after/{s}"] for s in ("apgd-ce", "square")]
+  assert after == sorted(after, reverse=True)
+  assert standard["clean_accuracy"] >= after[0]
+  # The reported accuracy is the model's on the returned points.
+  assert standard["accuracy"] == pytest.approx(after[-1], abs=1 / 16)
+  assert len(standard["apgd_loss/apgd-ce"]) == SMALL["steps"] + 1
+  assert "robust_after/apgd-dlr" in aa[1]
+  report = "\n".join(sections)
+  assert "## AutoAttack and APGD" in report
+  assert "PGD-3 (attack 0) at the same threat" in report
+  assert "Gradient-masking check" in report
+  assert os.path.exists(tmp_path / "autoattack_apgd_loss.png")
