@@ -10,13 +10,20 @@ function of `(variables, x, labels)` measured side by side in one process
 
 * fwd_bwd  one forward+backward: the gradient of the mean CE w.r.t. `x`;
 * fgsm     FGSM (one gradient step);
-* pgd      Linf PGD with k steps (random start, one restart).
+* pgd      Linf PGD with k steps (random start, one restart);
+* apgd     APGD-CE with n iterations (Linf, one restart), the images labelled
+           with the model's own predictions and attacked at eps = 0, so that
+           no example is ever misclassified and all n iterations run (no
+           early stop).
 
 Figures: `pgd_overhead_ratio = t(pgd) / (k * t(fwd_bwd))` (target <= 1.15),
-`fgsm_ratio = t(fgsm) / t(fwd_bwd)`, and, measured separately (it is much
+`apgd_overhead_ratio = t(apgd) / (n * t(fwd_bwd))` (target <= 1.15),
+`fgsm_ratio = t(fgsm) / t(fwd_bwd)`, and, measured separately (they are much
 longer), `spsa_seconds_per_image`: SPSA with early stop off (the full budget of
-`steps * 2 * samples` forward passes) divided by B. The last line printed is
-one JSON object with the figures.
+`steps * 2 * samples` forward passes) divided by B, and
+`square_seconds_per_image`: Square (Linf) with its full query budget (eps = 0:
+no example is ever broken) divided by B. The last line printed is one JSON
+object with the figures.
 """
 
 from __future__ import annotations
@@ -39,10 +46,10 @@ from configs import default as default_config  # noqa: E402
 from vmoe_ext import attacks  # noqa: E402
 from vmoe_ext.models import build_model  # noqa: E402
 
-FULL = dict(batch=64, pgd_steps=10, spsa_steps=20, spsa_samples=64,
-            spsa_repeats=3)
-QUICK = dict(batch=16, pgd_steps=5, spsa_steps=4, spsa_samples=16,
-             spsa_repeats=2)
+FULL = dict(batch=64, pgd_steps=10, apgd_steps=100, spsa_steps=20,
+            spsa_samples=64, spsa_repeats=3, square_queries=1000)
+QUICK = dict(batch=16, pgd_steps=5, apgd_steps=10, spsa_steps=4,
+             spsa_samples=16, spsa_repeats=2, square_queries=50)
 EPS = 0.1
 
 
@@ -77,6 +84,14 @@ def main(argv=None) -> dict:
   fgsm = jax.jit(lambda v, z, y: attacks.fgsm(logits_of(v), z, y, eps=EPS))
   pgd = jax.jit(lambda v, z, y, key: attacks.pgd(
       logits_of(v), z, y, eps=EPS, steps=k, key=key))
+  n = s["apgd_steps"]
+  # eps = 0 and the model's own predictions as labels: no example is ever
+  # misclassified, so every iteration runs (the worst case for the loop).
+  own = jnp.argmax(logits_of(variables)(x), -1).astype(jnp.int32)
+  apgd = jax.jit(lambda v, z, y, key: attacks.apgd(
+      logits_of(v), z, y, eps=0.0, steps=n, key=key))
+  square = jax.jit(lambda v, z, y, key: attacks.square(
+      logits_of(v), z, y, eps=0.0, queries=s["square_queries"], key=key))
   spsa = jax.jit(lambda v, z, y, key: attacks.spsa(
       logits_of(v), z, y, eps=EPS, steps=s["spsa_steps"],
       samples=s["spsa_samples"], key=key, early_stop=False))
@@ -86,10 +101,14 @@ def main(argv=None) -> dict:
       "fwd_bwd": lambda: fwd_bwd(variables, x, labels),
       "fgsm": lambda: fgsm(variables, x, labels),
       "pgd": lambda: pgd(variables, x, labels, key),
+      "apgd": lambda: apgd(variables, x, own, key),
   }, repeats=max(5, args.repeats))
   spsa_time = time_side_by_side(
       {"spsa": lambda: spsa(variables, x, labels, key)},
       repeats=s["spsa_repeats"], warmup=1)["spsa"]
+  square_time = time_side_by_side(
+      {"square": lambda: square(variables, x, own, key)},
+      repeats=s["spsa_repeats"], warmup=1)["square"]
 
   x_adv = pgd(variables, x, labels, key)
   clean_acc = float(jnp.mean(jnp.argmax(logits_of(variables)(x), -1)
@@ -105,6 +124,11 @@ def main(argv=None) -> dict:
         f"{times['fgsm'] / times['fwd_bwd']:>14.3f}")
   print(f"{f'pgd k={k}':<22}{times['pgd'] * 1e3:>12.2f}"
         f"{times['pgd'] / times['fwd_bwd']:>14.3f}")
+  print(f"{f'apgd-ce n={n}':<22}{times['apgd'] * 1e3:>12.2f}"
+        f"{times['apgd'] / times['fwd_bwd']:>14.3f}")
+  print(f"{'square (full budget)':<22}{square_time * 1e3:>12.1f}"
+        f"{square_time / times['fwd_bwd']:>14.1f}  "
+        f"({s['square_queries']} queries)")
   print(f"{'spsa (no early stop)':<22}{spsa_time * 1e3:>12.1f}"
         f"{spsa_time / times['fwd_bwd']:>14.1f}  "
         f"({s['spsa_steps']} steps x {s['spsa_samples']} mirrored samples = "
@@ -116,12 +140,18 @@ def main(argv=None) -> dict:
       "batch": b,
       "pgd_steps": k,
       "pgd_overhead_ratio": times["pgd"] / (k * times["fwd_bwd"]),
+      "apgd_steps": n,
+      "apgd_overhead_ratio": times["apgd"] / (n * times["fwd_bwd"]),
+      "square_queries": s["square_queries"],
+      "square_seconds_per_image": square_time / b,
       "fgsm_ratio": times["fgsm"] / times["fwd_bwd"],
       "spsa_seconds_per_image": spsa_time / b,
       "spsa_steps": s["spsa_steps"],
       "spsa_samples": s["spsa_samples"],
       "fwd_bwd_ms": times["fwd_bwd"] * 1e3,
       "pgd_ms": times["pgd"] * 1e3,
+      "apgd_ms": times["apgd"] * 1e3,
+      "square_ms": square_time * 1e3,
       "fgsm_ms": times["fgsm"] * 1e3,
       "spsa_ms": spsa_time * 1e3,
   }

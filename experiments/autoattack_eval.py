@@ -23,6 +23,7 @@ test of the script, seconds per config).
 from __future__ import annotations
 
 import os
+import sys
 
 from common import mean_std, parse_seeds_and_root, write_report
 
@@ -105,7 +106,8 @@ def main(argv=None) -> str:
     parser.add_argument("--report-only", action="store_true")
 
   args = parse_seeds_and_root(__doc__.splitlines()[0], argv, flags)
-  args.seeds = args.seeds if "--seeds" in (argv or []) else [0]
+  given = sys.argv[1:] if argv is None else argv
+  args.seeds = args.seeds if "--seeds" in given else [0]  # Default: seed 0.
   n = 16 if args.quick else args.num_examples
   results = {}
   for name in args.configs:
