@@ -44,6 +44,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
 from configs import default as default_config  # noqa: E402
 
 from vmoe_ext import attacks  # noqa: E402
+from vmoe_ext.attacks.apgd import apgd as apgd_attack  # noqa: E402
+from vmoe_ext.attacks.square import square as square_attack  # noqa: E402
 from vmoe_ext.models import build_model  # noqa: E402
 
 FULL = dict(batch=64, pgd_steps=10, apgd_steps=100, spsa_steps=20,
@@ -88,9 +90,9 @@ def main(argv=None) -> dict:
   # eps = 0 and the model's own predictions as labels: no example is ever
   # misclassified, so every iteration runs (the worst case for the loop).
   own = jnp.argmax(logits_of(variables)(x), -1).astype(jnp.int32)
-  apgd = jax.jit(lambda v, z, y, key: attacks.apgd(
+  apgd = jax.jit(lambda v, z, y, key: apgd_attack(
       logits_of(v), z, y, eps=0.0, steps=n, key=key))
-  square = jax.jit(lambda v, z, y, key: attacks.square(
+  square = jax.jit(lambda v, z, y, key: square_attack(
       logits_of(v), z, y, eps=0.0, queries=s["square_queries"], key=key))
   spsa = jax.jit(lambda v, z, y, key: attacks.spsa(
       logits_of(v), z, y, eps=EPS, steps=s["spsa_steps"],

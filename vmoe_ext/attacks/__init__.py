@@ -1,6 +1,8 @@
 """Adversarial attacks: FGSM, PGD (Linf, L2), SPSA, and AutoAttack's APGD
 (CE, DLR, targeted DLR), FAB-T, Square and their ensemble — pure jitted
-functions.
+functions. The AutoAttack family lives in the modules of the same names
+(`vmoe_ext.attacks.apgd.apgd`, `.fab.fab`, `.square.square`,
+`.autoattack.autoattack`; by name: `get_attack("apgd")`).
 
 Every attack takes a deterministic `logits_fn(x [B, ...]) -> [B, C]`, clean
 images `x` in `[clip_min, clip_max]` and labels `[B]`, and returns `x_adv`
@@ -13,17 +15,13 @@ conventions, each module for its update rule, and `registry` for the
 contract a new attack follows (one module plus one line in `ATTACKS`).
 """
 
-from vmoe_ext.attacks.apgd import apgd
-from vmoe_ext.attacks.autoattack import autoattack
 from vmoe_ext.attacks.base import cross_entropy, margin_loss
-from vmoe_ext.attacks.fab import fab
 from vmoe_ext.attacks.fast_gradient import fgsm
 from vmoe_ext.attacks.gradient_free import spsa, spsa_gradient
 from vmoe_ext.attacks.projected_gradient import pgd
-from vmoe_ext.attacks.square import square
 from vmoe_ext.attacks.registry import (ATTACKS, CALL_ARGS, AttackSpec,
                                        get_attack, make_attack)
 
-__all__ = ["ATTACKS", "AttackSpec", "CALL_ARGS", "apgd", "autoattack",
-           "cross_entropy", "fab", "fgsm", "get_attack", "make_attack",
-           "margin_loss", "pgd", "spsa", "spsa_gradient", "square"]
+__all__ = ["ATTACKS", "AttackSpec", "CALL_ARGS", "cross_entropy", "fgsm",
+           "get_attack", "make_attack", "margin_loss", "pgd", "spsa",
+           "spsa_gradient"]
