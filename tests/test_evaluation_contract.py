@@ -13,6 +13,8 @@ example) is registered and run by `evaluate_datasets` likewise.
 
 from __future__ import annotations
 
+import inspect
+
 import json
 import os
 import re
@@ -180,8 +182,15 @@ def test_the_contract_is_checked_when_the_attack_is_looked_up():
 def test_every_built_in_attack_follows_the_contract():
   for name in ATTACKS:
     spec = ATTACKS.spec(name)
-    assert spec.fn is getattr(attacks, name)
+    # The package exports the original attacks; the AutoAttack family is
+    # its modules' function of the same name (`attacks.apgd.apgd`).
+    exported = getattr(attacks, name)
+    assert spec.fn is (getattr(exported, name) if inspect.ismodule(exported)
+                       else exported)
     assert spec.check.__name__ == f"check_{name}"
+    if spec.details is not None:
+      assert (list(inspect.signature(spec.details).parameters)
+              == list(inspect.signature(spec.fn).parameters))
 
 
 # -- A new kind of evaluation dataset (the docs' example) -----------------

@@ -374,16 +374,11 @@ def apgd(logits_fn: base.LogitsFn, x: Array, labels: Array, *, eps: float,
   Raises:
     ConfigError naming the field ("attack.loss").
   """
-  check_apgd(eps=eps, norm=norm, loss=loss, steps=steps, restarts=restarts,
-             target_classes=target_classes, rho=rho, eot_iter=eot_iter,
-             schedule=schedule, clip_min=clip_min, clip_max=clip_max)
-  base.check_inputs(x, labels)
-  base.check_key(key, True, "(APGD starts from a random point)")
-  static = dict(norm=norm, loss=loss, steps=steps, restarts=restarts,
-                target_classes=target_classes, rho=rho, eot_iter=eot_iter,
-                schedule=schedule)
-  return base.run_jitted(_apgd, logits_fn, static, x, labels, key, eps,
-                         clip_min, clip_max)
+  return apgd_details(logits_fn, x, labels, eps=eps, key=key, norm=norm,
+                      loss=loss, steps=steps, restarts=restarts,
+                      target_classes=target_classes, rho=rho,
+                      eot_iter=eot_iter, schedule=schedule,
+                      clip_min=clip_min, clip_max=clip_max)[0]
 
 
 def apgd_details(logits_fn: base.LogitsFn, x: Array, labels: Array, *,
@@ -417,10 +412,6 @@ def _apgd_details(logits_fn, x, labels, key, eps, clip_min, clip_max,
   best = info["trace"]["loss_best"][0].T  # [B, steps + 1]
   return x_adv, {"apgd_loss/apgd": jnp.where(done[:, None], jnp.nan, best)}
 
-
-def _apgd(logits_fn, x, labels, key, eps, clip_min, clip_max, **static):
-  return _apgd_details(logits_fn, x, labels, key, eps, clip_min, clip_max,
-                       **static)[0]
 
 
 def check_classes(loss: str, logits_fn: Callable[..., Any], x: Array
@@ -456,5 +447,5 @@ def check_apgd(*, eps, norm, loss, steps, restarts, target_classes, rho,
   base.check_range(clip_min, clip_max)
 
 
-__all__ = ["LOSSES", "SCHEDULES", "apgd", "apgd_details", "apgd_run", "check_apgd",
-           "checkpoints", "single_run", "start_point"]
+__all__ = ["LOSSES", "SCHEDULES", "apgd", "apgd_details", "apgd_run",
+           "check_apgd", "checkpoints", "single_run", "start_point"]
