@@ -115,6 +115,17 @@ def test_padding_does_not_count(setup):
      "robustness.corruptions.severities"),
     ({"num_examples": 0}, "robustness.num_examples"),
     ({"epsilon": 0.1}, "robustness.epsilon"),
+    ({"attacks": ({"name": "autoattack", "eps": 0.1, "version": "plus"},)},
+     "robustness.attacks[0].version"),
+    ({"attacks": ({"name": "autoattack", "eps": 0.1,
+                   "attacks": ("apgd-ce", "cw")},)},
+     "robustness.attacks[0].attacks[1]"),
+    ({"attacks": ({"name": "apgd", "eps": 0.1, "schedule": "fast"},)},
+     "robustness.attacks[0].schedule"),
+    ({"attacks": ({"name": "square", "eps": 0.1, "p_init": 2.0},)},
+     "robustness.attacks[0].p_init"),
+    ({"attacks": ({"name": "fab", "eps": 0.1, "beta": 0.0},)},
+     "robustness.attacks[0].beta"),
 ])
 def test_robustness_config_errors(robustness, field):
   with pytest.raises(ConfigError, match=re.escape(field)):
