@@ -142,3 +142,22 @@ def test_evaluation_binary_without_checkpoint_is_a_clear_error(tmp_path):
                f"--config.robustness.checkpoint_dir={tmp_path / 'none'}"])
   assert proc.returncode == 2
   assert "config error: robustness.checkpoint_dir" in proc.stderr
+
+
+def test_attacks_differing_only_in_eps_share_one_compilation(setup):
+  """An eps sweep compiles once: eps is an argument of the compiled attack;
+  each eps gives what the attack computes with that eps as a constant."""
+  from vmoe_ext.attacks import pgd
+  evaluator, data = setup
+  x, y = jnp.asarray(data.images[:10]), jnp.asarray(data.labels[:10])
+  key = jax.random.key(3)
+  before = len(evaluator._attacks)
+  for eps in (0.05, 0.2):
+    got = evaluator.attack({"name": "pgd", "eps": eps, "steps": 2})(x, y, key)
+    want = jax.jit(lambda z, w, k, eps=eps: pgd(
+        evaluator.logits_fn, z, w, eps=eps, steps=2, key=k))(x, y, key)
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    assert float(jnp.max(jnp.abs(got - x))) <= eps + 1e-6
+  assert len(evaluator._attacks) == before + 1
+  with pytest.raises(ConfigError, match="attack.eps"):
+    evaluator.attack({"name": "pgd", "eps": -1.0, "steps": 2})

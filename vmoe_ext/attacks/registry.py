@@ -9,7 +9,9 @@ A new attack is one module plus one line in `ATTACKS` (docs/robustness.md,
   config field (`robustness.attacks[i].<field>`; the config schema reads
   their types and defaults from `fn`'s signature; no default: required). It
   must be traceable (the evaluation jits the attack together with the
-  model) and follow `attacks.base`'s conventions (batching, valid range).
+  model, with `eps` a traced scalar so that an eps sweep compiles once: no
+  Python branching on `eps`) and follow `attacks.base`'s conventions
+  (batching, valid range).
 * `check(**fields) -> None` — keyword-only, exactly `fn`'s config fields;
   `make_attack` calls it with every field (defaults filled in) before
   anything is traced, and it raises `ConfigError("attack.<field>", ...)`

@@ -78,16 +78,31 @@ class Evaluator:
     """Jitted `(x, labels, key) -> x_adv` for an attack config (with
     `include_auxiliary_loss=True` the attack sees the auxiliary loss too).
     `details`: `-> (x_adv, diagnostics)` (`make_attack`). The attack's
-    `logits_fn` also takes `key=` for a stochastic pass (EOT attacks)."""
-    key = repr((details, sorted(attack_config.items())))
+    `logits_fn` also takes `key=` for a stochastic pass (EOT attacks).
+
+    `eps` is an argument of the compiled function, not a constant of it:
+    configs that differ only in `eps` (an eps sweep; one attack at two eps)
+    share one compilation."""
+    config = dict(attack_config)
+    make_attack(config, details=details)  # Every field checked, eps too.
+    eps = config.pop("eps", None)
+    key = repr((details, eps is None, sorted(config.items())))
     if key not in self._attacks:
-      attack = make_attack(dict(attack_config), details=details)
       fn = (self.fwd.logits_and_aux
-            if attack_config.get("include_auxiliary_loss") else self.fwd.logits)
-      jitted = self.fwd.jit(lambda variables, x, y, k: attack(
-          functools.partial(fn, variables), x, y, k))
-      self._attacks[key] = lambda x, y, k: jitted(self.variables, x, y, k)
-    return self._attacks[key]
+            if config.get("include_auxiliary_loss") else self.fwd.logits)
+
+      def run(variables, x, y, k, e):
+        # `e` is traced: the attacks' checks of eps skip traced values (it
+        # was checked above, concretely).
+        attack = make_attack(config if e is None else {**config, "eps": e},
+                             details=details)
+        return attack(functools.partial(fn, variables), x, y, k)
+
+      jitted = self.fwd.jit(run, replicated=(3,))
+      self._attacks[key] = jitted
+    jitted = self._attacks[key]
+    value = None if eps is None else np.float32(eps)
+    return lambda x, y, k: jitted(self.variables, x, y, k, value)
 
   def predict(self, reader: ExampleReader, batch_size: int, *,
               indices: Optional[np.ndarray] = None,
