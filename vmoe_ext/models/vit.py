@@ -16,66 +16,23 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from vmoe_ext.errors import ConfigError, field_scope, require
+from vmoe_ext.errors import require
 from vmoe_ext.models.heads import (ATTENTION_KERNEL_INITS, CLASSIFIERS,
                                    classifier_head, has_class_token)
 from vmoe_ext.models.placement import resolve_moe_layers
 from vmoe_ext.models.position import (add_fixed_position_emb,
                                       check_position_emb)
+from vmoe_ext.models.sublayer import (DEFAULT_STREAM, MOE_DEFAULTS, MlpBlock,
+                                      build_moe_layer, check_moe_placement,
+                                      check_stream_placement, mlp_sublayer,
+                                      moe_config)
 from vmoe_ext.moe.contract import RoutingContext
 from vmoe_ext.moe.expert_parallel import ExpertParallel
-from vmoe_ext.moe.experts import DenseMlp, check_activation
-from vmoe_ext.moe.layer import MoeLayer
+from vmoe_ext.moe.experts import check_activation
 from vmoe_ext.naming import metric_key, param_name
-from vmoe_ext.routers.registry import ROUTERS
 from vmoe_ext.streams import STREAMS
 
 Array = jax.Array
-
-# Settable fields of the `moe` config dict and their defaults.
-MOE_DEFAULTS: dict[str, Any] = {
-    "layers": None,             # explicit 0-based block indices, or
-    "every": None,              # every N-th block (N-1, 2N-1, ...), and/or
-    "last": None,               # the last N candidates
-    "num_experts": 8,           # E
-    "hidden_size": None,        # H of each expert (None: the model's mlp_dim)
-    "group_size": None,         # S (None: one image per group)
-    "capacity_factor": 1.0,     # cf
-    "eval_capacity_factor": None,  # cf of deterministic calls (None: cf)
-    "capacity_multiple": None,  # round C up to this multiple (None: 1 for
-                                # "exact" rounding, 4 for "vmoe")
-    "capacity_rounding": "exact",  # "exact" | "vmoe" (ceil of the raw float)
-    "dispatcher": "indices",    # "indices" | "einsum"
-    "batch_priority": False,    # BPR
-    "dropout_rate": None,       # expert dropout (None: the model's)
-    "expert_init": "independent",
-    "dispatch_dtype": None,     # None (float32) | "bfloat16"
-    "shared_experts": 0,        # N_s always-on experts of width hidden_size
-    "output_bias": "experts",   # "experts" (vmoe) | "once" (dense-exact)
-    "router": {"name": "noisy_topk", "num_selected": 1},
-}
-DEFAULT_STREAM = {"name": "plain"}
-
-
-def moe_config(moe: Optional[Mapping[str, Any]]) -> Optional[dict[str, Any]]:
-  """Fills defaults into an `moe` config dict; unknown keys are errors."""
-  if moe is None:
-    return None
-  moe = {k: (dict(v) if isinstance(v, Mapping) else v)
-         for k, v in dict(moe).items()}
-  require("stream" not in moe, "moe.stream",
-          "the residual stream is chosen for the whole model: set "
-          "model.stream (e.g. {'name': 'plain'}) instead of model.moe.stream")
-  unknown = sorted(set(moe) - set(MOE_DEFAULTS))
-  if unknown:
-    raise ConfigError(f"moe.{unknown[0]}", f"unknown field; known fields: "
-                      f"{sorted(MOE_DEFAULTS)}")
-  return {**MOE_DEFAULTS, **moe}
-
-
-# The dense MLP (`Mlp/Dense_0`, `Mlp/Dense_1`; `Mlp/Dense_up` when gated).
-MlpBlock = DenseMlp
-
 
 class EncoderBlock(nn.Module):
   """Pre-LN block: `x + Attn(LN(x))`, then the MLP or MoE through the stream.
@@ -114,73 +71,11 @@ class EncoderBlock(nn.Module):
     y = nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
     x = x + y
     norm = nn.LayerNorm(name="LayerNorm_1", dtype=self.dtype)
-    is_moe = self.moe is not None
-    if is_moe:
-      layer = build_moe_layer(self.moe, self.mlp_dim, self.dropout_rate,
-                              self.dtype, self.mlp_activation, name="Moe",
-                              expert_parallel=self.expert_parallel)
-    else:
-      layer = MlpBlock(self.mlp_dim, self.dropout_rate, self.dtype,
-                       self.mlp_activation, name="Mlp")
-    if not is_moe and STREAMS.build(self.stream,
-                                    parent=None).blocks != "all":
-      return x + layer(norm(x), deterministic=deterministic), ctx, None
-
-    primary_aux = []
-
-    def ffn(z: Array, *, shift: Optional[Array] = None,
-            primary: bool = True) -> tuple[Array, Any]:
-      h = norm(z)
-      if shift is not None:
-        h = h + shift
-      if not is_moe:
-        f, aux = layer(h, deterministic=deterministic), None
-      else:
-        f, metrics, layer_record = layer(
-            h, ctx, deterministic=deterministic, update_state=update_state,
-            primary=primary)
-        aux = (metrics, layer_record)
-      if primary:
-        primary_aux.append(aux)
-      return f, aux
-
-    stream = STREAMS.build(self.stream, name="Stream")
-    x, state = stream(x, ffn, ctx.stream_state, ctx=ctx, is_moe=is_moe)
-    if len(primary_aux) != 1:
-      raise ValueError(
-          f"stream {type(stream).__name__} made {len(primary_aux)} primary "
-          "ffn calls in one block; the contract is exactly one (mark the "
-          "others primary=False)")
-    ctx = ctx.replace(stream_state=state)
-    if not is_moe:
-      return x, ctx, None
-    metrics, layer_record = primary_aux[0]
-    return x, ctx.after_moe(layer_record), metrics
-
-
-def build_moe_layer(moe: Mapping[str, Any], mlp_dim: int, dropout_rate: float,
-                    dtype: Any, activation: str = "gelu",
-                    **module_kwargs: Any) -> MoeLayer:
-  """The `MoeLayer` described by a filled `moe` config dict."""
-  with field_scope("moe"):  # Routers name their fields "router.*".
-    router = ROUTERS.build(moe["router"], num_experts=moe["num_experts"],
-                           parent=None)
-  return MoeLayer(
-      router=router,
-      hidden_size=moe["hidden_size"] or mlp_dim,
-      group_size=moe["group_size"],
-      capacity_factor=moe["capacity_factor"],
-      eval_capacity_factor=moe["eval_capacity_factor"],
-      capacity_multiple=moe["capacity_multiple"],
-      capacity_rounding=moe["capacity_rounding"],
-      dispatcher=moe["dispatcher"],
-      batch_priority=moe["batch_priority"],
-      dropout_rate=(dropout_rate if moe["dropout_rate"] is None
-                    else moe["dropout_rate"]),
-      expert_init=moe["expert_init"],
-      dispatch_dtype=moe["dispatch_dtype"],
-      shared_experts=moe["shared_experts"], output_bias=moe["output_bias"],
-      activation=activation, dtype=dtype, **module_kwargs)
+    return mlp_sublayer(
+        x, ctx, norm, moe=self.moe, stream=self.stream, mlp_dim=self.mlp_dim,
+        dropout_rate=self.dropout_rate, activation=self.mlp_activation,
+        dtype=self.dtype, expert_parallel=self.expert_parallel,
+        deterministic=deterministic, update_state=update_state)
 
 
 class VisionTransformerMoe(nn.Module):
@@ -295,24 +190,15 @@ class VisionTransformerMoe(nn.Module):
             f"{tuple(ATTENTION_KERNEL_INITS)}, got "
             f"{self.attention_kernel_init!r}")
     moe = moe_config(self.moe)
-    layers: tuple[int, ...] = ()
+    stream = dict(self.stream or DEFAULT_STREAM)
     if moe is not None:
       # Validate everything now, before any tracing: placement, router, layer.
       layers = resolve_moe_layers(self.num_layers, moe["layers"],
                                   moe["every"], moe["last"])
-      require(isinstance(moe["num_experts"], int) and moe["num_experts"] > 0,
-              "moe.num_experts",
-              f"must be a positive integer, got {moe['num_experts']!r}")
-      layer = build_moe_layer(moe, self.mlp_dim, self.dropout_rate,
-                              self.dtype, self.mlp_activation, parent=None)
-      require(not layer.router.needs_previous, "moe.router.name",
-              f"router {moe['router']['name']!r} reads the previous MoE "
-              f"layer's assignment, so it cannot route the first MoE layer "
-              f"(block {layers[0]})")
-      with field_scope("moe"):
-        layer.router.check_placement(layers)
-    stream = dict(self.stream or DEFAULT_STREAM)
-    STREAMS.build(stream, parent=None).check_placement(layers)
+      check_moe_placement(moe, stream, (layers,), self.mlp_dim,
+                          self.dropout_rate, self.dtype, self.mlp_activation)
+    else:
+      check_stream_placement(stream, ((),))
     object.__setattr__(self, "moe", moe)
     object.__setattr__(self, "stream", stream)
     super().__post_init__()
@@ -323,6 +209,23 @@ class VisionTransformerMoe(nn.Module):
       return ()
     return resolve_moe_layers(self.num_layers, self.moe["layers"],
                               self.moe["every"], self.moe["last"])
+
+  def check_image_size(self, image_size: tuple[int, int]) -> None:
+    """Raises ConfigError on `patch_size` unless it divides `(H, W)`."""
+    h, w = image_size
+    ph, pw = self.patch_size
+    require(h % ph == 0 and w % pw == 0, "patch_size",
+            f"patch {tuple(self.patch_size)} does not divide the {h}x{w} "
+            "images (set data.image_size to resize)")
+
+  def token_grid(self, block: int, image_size: tuple[int, int]
+                 ) -> tuple[int, int, int]:
+    """`(h, w, extra)`: every block sees the `h x w` patch grid
+    (row-major) after `extra` leading tokens (1: the class token)."""
+    del block
+    ph, pw = self.patch_size
+    return (image_size[0] // ph, image_size[1] // pw,
+            1 if has_class_token(self.classifier) else 0)
 
   @nn.compact
   def __call__(self, images: Array, *, deterministic: bool = True,
@@ -389,3 +292,10 @@ class VisionTransformerMoe(nn.Module):
         (m["auxiliary_loss"] for m in metrics.values()),
         jnp.zeros((), jnp.float32))
     return logits, metrics
+
+
+# `MOE_DEFAULTS`, `MlpBlock`, `build_moe_layer` and `moe_config` live in
+# `vmoe_ext.models.sublayer` (shared with the Swin backbone); they stay
+# importable from here.
+__all__ = ["DEFAULT_STREAM", "EncoderBlock", "MOE_DEFAULTS", "MlpBlock",
+           "VisionTransformerMoe", "build_moe_layer", "moe_config"]

@@ -268,6 +268,18 @@ class Router(nn.Module):
     """
     del moe_blocks
 
+  def check_stages(self, stages: tuple[tuple[int, ...], ...]) -> None:
+    """Raises ConfigError if this router cannot route a model whose MoE
+    blocks form `stages`: runs of MoE blocks over one token sequence, each
+    with its own routing context (`ctx.moe_blocks` is the stage's, and
+    `ctx.records` restart with it). A ViT has one stage; a Swin has one per
+    resolution. The default checks each stage with `check_placement`;
+    override it when the rule spans stages (ACMoE: at least one AC layer
+    in the model, not in every stage).
+    """
+    for blocks in stages:
+      self.check_placement(tuple(blocks))
+
   def __call__(self, x: Array, ctx: RoutingContext, *, capacity: int,
                deterministic: bool, update_state: bool = False
                ) -> RouterOutput:

@@ -55,40 +55,71 @@ _OPTION_FIELDS = ("eps", "clamp", "mean", "l2_normalize", "scaled_to",
                   "mix_k", "mix_weights")
 
 
-def resolve_ac_layers(layers: Union[str, Sequence[int]],
-                      moe_blocks: Sequence[int]) -> tuple[int, ...]:
-  """The block indices of the AC layers among the MoE blocks `moe_blocks`.
+def _stage_ac_layers(layers: Union[str, Sequence[int]],
+                     blocks: tuple[int, ...]) -> tuple[int, ...]:
+  """The AC layers among one stage's MoE blocks (possibly none)."""
+  if isinstance(layers, str):
+    n = len(blocks)
+    first = {"full": 1, "skip1": 2, "skip2": 3, "back_half": n // 2,
+             "alternating": 1}[layers]
+    step = 2 if layers == "alternating" else 1
+    return tuple(blocks[m] for m in range(max(first, 1), n, step))
+  return tuple(sorted(b for b in layers if b in blocks))
+
+
+def resolve_ac_stages(layers: Union[str, Sequence[int]],
+                      stages: Sequence[Sequence[int]]) -> tuple[int, ...]:
+  """The block indices of the AC layers of a model whose MoE blocks form
+  `stages`: runs of MoE blocks over one token sequence (a ViT has one; a
+  Swin stage is one, and the previous assignments restart with it, since
+  patch merging changes the tokens). A preset applies within each stage;
+  an explicit list names blocks that are not the first of their stage.
 
   Raises:
     ConfigError on `router.layers` for an unknown preset, a block that is
-    not an MoE block, the first MoE block, or an empty selection.
+    not an MoE block, the first MoE block of a stage, or an empty selection.
   """
-  blocks = tuple(moe_blocks)
-  n = len(blocks)
+  stages = tuple(tuple(s) for s in stages if len(s))
+  every = tuple(b for s in stages for b in s)
+  several = len(stages) > 1
   if isinstance(layers, str):
     require(layers in LAYER_PRESETS, "router.layers",
             f"unknown placement preset {layers!r}; presets: {LAYER_PRESETS} "
             "or a list of MoE block indices")
-    first = {"full": 1, "skip1": 2, "skip2": 3, "back_half": n // 2,
-             "alternating": 1}[layers]
-    step = 2 if layers == "alternating" else 1
-    chosen = tuple(blocks[m] for m in range(first, n, step))
-    require(chosen, "router.layers",
-            f"placement {layers!r} selects no AC layer among the {n} MoE "
-            f"layers (blocks {blocks}); an AC layer needs an MoE layer "
-            "before it")
   else:
     require(isinstance(layers, (list, tuple)) and layers, "router.layers",
             f"must be a preset {LAYER_PRESETS} or a non-empty list of MoE "
             f"block indices, got {layers!r}")
-    chosen = tuple(layers)
-    for b in chosen:
-      require(b in blocks, "router.layers",
-              f"block {b!r} is not an MoE block (MoE blocks: {blocks})")
-  require(blocks[0] not in chosen, "router.layers",
-          f"block {blocks[0]} is the first MoE layer: an AC layer needs an "
-          "MoE layer before it (its assignment defines the clusters)")
+    for b in layers:
+      require(b in every, "router.layers",
+              f"block {b!r} is not an MoE block (MoE blocks: {every})")
+  for s in stages:
+    if not isinstance(layers, str):
+      where = "of its stage " if several else ""
+      require(s[0] not in layers, "router.layers",
+              f"block {s[0]} is the first MoE layer {where}: an AC layer "
+              "needs an MoE layer before it (its assignment defines the "
+              "clusters)".replace(" :", ":"))
+  chosen = tuple(b for s in stages for b in _stage_ac_layers(layers, s))
+  if several:
+    require(chosen, "router.layers",
+            f"placement {layers!r} selects no AC layer in any stage (MoE "
+            f"blocks per stage: {stages}); an AC layer needs an MoE layer "
+            "before it in its stage")
+  else:
+    n = len(every)
+    require(chosen, "router.layers",
+            f"placement {layers!r} selects no AC layer among the {n} MoE "
+            f"layers (blocks {every}); an AC layer needs an MoE layer "
+            "before it")
   return tuple(sorted(chosen))
+
+
+def resolve_ac_layers(layers: Union[str, Sequence[int]],
+                      moe_blocks: Sequence[int]) -> tuple[int, ...]:
+  """The block indices of the AC layers among the MoE blocks `moe_blocks`
+  (one stage; `resolve_ac_stages`)."""
+  return resolve_ac_stages(layers, (tuple(moe_blocks),))
 
 
 class ACMoERouter(WrapperRouter):
@@ -184,13 +215,16 @@ class ACMoERouter(WrapperRouter):
     return config
 
   def check_placement(self, moe_blocks: tuple[int, ...]) -> None:
-    resolve_ac_layers(self.placement, moe_blocks)
+    self.check_stages((tuple(moe_blocks),))
+
+  def check_stages(self, stages: tuple[tuple[int, ...], ...]) -> None:
+    super().check_stages(stages)
+    resolve_ac_stages(self.placement, stages)
 
   def is_ac_layer(self, ctx: RoutingContext) -> bool:
     if not ctx.moe_blocks:  # Used outside a model: AC wherever possible.
       return ctx.previous is not None
-    return ctx.block in resolve_ac_layers(self.placement,
-                                                ctx.moe_blocks)
+    return ctx.block in _stage_ac_layers(self.placement, ctx.moe_blocks)
 
   def scale_tokens(self, tokens: Array, ctx: RoutingContext) -> Array:
     """`[N, D]` statistic tokens -> `[N, D]` scaled tokens (this layer's)."""

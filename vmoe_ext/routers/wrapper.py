@@ -69,3 +69,7 @@ class WrapperRouter(Router):
   def check_placement(self, moe_blocks: tuple[int, ...]) -> None:
     with renamed_scope("router", "router.base"):
       self.base_prototype().check_placement(moe_blocks)
+
+  def check_stages(self, stages: tuple[tuple[int, ...], ...]) -> None:
+    with renamed_scope("router", "router.base"):
+      self.base_prototype().check_stages(stages)
