@@ -36,10 +36,13 @@ ROUTER_FIELDS = {
     "symphony": {"base": {"name": "noisy_topk", "num_selected": 1}},
     "symphony_soft": {"num_selected": 1,
                       "base": {"name": "soft", "num_slots": 1}},
+    "swin_moe": {"num_selected": 1},
     "top_p": {"num_selected": 2},
 }
 DIAGNOSTICS = {"top_p": {"experts_per_token", "threshold"},
-               "symphony": {"symphony_fallback"}}
+               "symphony": {"symphony_fallback"},
+               "swin_moe": {"balance_loss", "importance_loss", "load_loss",
+                            "gshard_loss"}}
 
 
 def _config(router):

@@ -7,10 +7,10 @@ from typing import Optional
 
 from vmoe_ext.errors import require
 
-ROUNDINGS = ("exact", "vmoe")
+ROUNDINGS = ("exact", "vmoe", "tutel")
 # multiple_of=None: C's round-up multiple per mode (vmoe's dispatchers default
-# to capacity_multiple_of=4).
-DEFAULT_MULTIPLE = {"exact": 1, "vmoe": 4}
+# to capacity_multiple_of=4; tutel's `alignment` is 1 on one device).
+DEFAULT_MULTIPLE = {"exact": 1, "vmoe": 4, "tutel": 1}
 
 
 def compute_capacity(group_size: int,
@@ -21,7 +21,7 @@ def compute_capacity(group_size: int,
                      rounding: str = "exact") -> int:
   """Returns `C = ceil(S * K * cf / E)`, rounded up to a multiple of `multiple_of`.
 
-  Two ways to take the ceiling (`rounding`):
+  Three ways to compute it (`rounding`):
 
   * "exact" (default): the ceiling of the real product. The float product is
     first rounded to 9 decimals, so float noise does not add a slot
@@ -33,6 +33,14 @@ def compute_capacity(group_size: int,
     rounded up to a multiple of `multiple_of`, which defaults to vmoe's
     `capacity_multiple_of=4`. S=800, K=2, cf=1.1, E=8: `1760.0000000000002 / 8`
     gives 221, then C = 224 (exact: 220).
+  * "tutel": microsoft/tutel's `extract_critical` (the Swin-MoE router,
+    `vmoe_ext.routers.swin_moe`), with num_tokens = S:
+    `C = K * int(cf * ceil(S / E))` — the ceiling is of the tokens per
+    expert, the product with cf is truncated (of the raw float), and K
+    multiplies afterwards — then rounded up to a multiple of `multiple_of`
+    (tutel's `alignment`, default 1). S=10, K=2, cf=1, E=4: `2 * int(3.0)`
+    gives 6 (exact: 5); S=10, K=1, cf=1.25, E=4: `int(3.75)` gives 3
+    (exact: 4).
 
   Args:
     group_size: S, tokens per group.
@@ -41,10 +49,10 @@ def compute_capacity(group_size: int,
       balanced routing.
     num_experts: E.
     multiple_of: round C up to a multiple of this; None: the `rounding`
-      mode's default (1 for "exact", 4 for "vmoe"). Rounding up to the
-      multiple (and "exact"'s minimum of 1) are the only changes made to the
-      ceiling.
-    rounding: "exact" or "vmoe" (above).
+      mode's default (1 for "exact" and "tutel", 4 for "vmoe"). Rounding up
+      to the multiple (and "exact"'s minimum of 1) are the only changes made
+      to the mode's formula.
+    rounding: "exact", "vmoe" or "tutel" (above).
 
   Raises:
     ConfigError naming the field when an argument is out of range.
@@ -65,7 +73,15 @@ def compute_capacity(group_size: int,
     multiple_of = DEFAULT_MULTIPLE[rounding]
   require(isinstance(multiple_of, int) and multiple_of > 0,
           "capacity_multiple", f"must be a positive integer, got {multiple_of!r}")
-  if rounding == "vmoe":
+  if rounding == "tutel":
+    capacity = num_selected * int(
+        capacity_factor * ((group_size + num_experts - 1) // num_experts))
+    # tutel would run with C = 0 (every token dropped); a config error here.
+    require(capacity >= 1, "capacity_factor",
+            f"{capacity_factor!r} gives tutel capacity {capacity} < 1 "
+            f"(K * int(cf * ceil(S / E)) with S={group_size}, "
+            f"E={num_experts})")
+  elif rounding == "vmoe":
     capacity = math.ceil(group_size * num_selected * capacity_factor
                          / num_experts)
     # vmoe raises rather than clamps (only reachable by float underflow).

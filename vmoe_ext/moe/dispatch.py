@@ -23,8 +23,10 @@ float32 dispatch/combine of bfloat16-rounded data (`RoundedDispatcher`).
 Capacity rules for token choice (as vmoe): buffers are filled choice-major —
 every token's first choice before any token's second choice — and, within one
 choice rank, in token order, or, with batch-priority routing (BPR), in order of
-decreasing top-1 gate. A choice that finds its expert's buffer full is dropped:
-it contributes 0 to the token's output (the residual stream still carries it).
+decreasing top-1 gate (or of the routing's `priority`, where given; tutel's
+`extract_critical` orders the same way). A choice that finds its expert's
+buffer full is dropped: it contributes 0 to the token's output (the residual
+stream still carries it).
 """
 
 from __future__ import annotations
@@ -203,8 +205,10 @@ def token_choice_positions(routing: TokenChoiceRouting, num_experts: int,
     routing: token-choice routing with `[G, S, K]` fields.
     num_experts: E.
     capacity: C.
-    batch_priority: fill buffers in order of decreasing top-1 gate (the
-      largest valid gate of each token) instead of token order.
+    batch_priority: fill buffers in order of decreasing priority (the
+      routing's `priority` where the router gives one, else the largest
+      valid gate of each token; ties keep token order) instead of token
+      order.
 
   Returns:
     position: `[G, S, K]` int32, 0-based rank of the choice among those sent
@@ -214,7 +218,9 @@ def token_choice_positions(routing: TokenChoiceRouting, num_experts: int,
   idx, valid = routing.expert_indices, routing.valid
   num_groups, group_size, k = idx.shape
   if batch_priority:
-    priority = jnp.max(jnp.where(valid, routing.gates, -jnp.inf), axis=-1)
+    priority = routing.priority
+    if priority is None:
+      priority = jnp.max(jnp.where(valid, routing.gates, -jnp.inf), axis=-1)
     order = jnp.argsort(-priority, axis=-1, stable=True)  # [G, S]
     idx = jnp.take_along_axis(idx, order[..., None], axis=1)
     valid = jnp.take_along_axis(valid, order[..., None], axis=1)

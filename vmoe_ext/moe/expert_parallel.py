@@ -106,7 +106,8 @@ def expert_parallel_moe(ep: ExpertParallel, routing: Routing, tokens: Array,
                         capacity: Optional[int], dispatcher: str,
                         batch_priority: bool, dispatch_dtype: Any,
                         activation: str, dropout_rate: float,
-                        dropout_rng: Optional[Array], dtype: Any
+                        dropout_rng: Optional[Array], dtype: Any,
+                        dropout_output: bool = True
                         ) -> tuple[Array, Array, Array]:
   """Dispatch, experts and combine of one MoE layer, expert-parallel.
 
@@ -122,7 +123,7 @@ def expert_parallel_moe(ep: ExpertParallel, routing: Routing, tokens: Array,
     dispatch_dtype: None, or the dtype the data is rounded to around
       dispatch and combine (the weights stay float32); the all-to-alls then
       move the data in that dtype wherever that is exact.
-    activation / dropout_rate / dtype: of the experts.
+    activation / dropout_rate / dropout_output / dtype: of the experts.
     dropout_rng: the experts' dropout key, None when deterministic.
 
   Returns:
@@ -156,7 +157,8 @@ def expert_parallel_moe(ep: ExpertParallel, routing: Routing, tokens: Array,
     x = plan.dispatcher.dispatch(tokens.astype(dtype))  # [E, Gl*C, D]
     x = jax.lax.all_to_all(x.astype(send), ep.expert_axis, 0, 1, tiled=True)
     y = mlp_experts(params, x.astype(dtype), activation=activation,
-                    dropout_rate=dropout_rate, dropout_keep=keep, dtype=dtype)
+                    dropout_rate=dropout_rate, dropout_output=dropout_output,
+                    dropout_keep=keep, dtype=dtype)
     y = jax.lax.all_to_all(y.astype(back), ep.expert_axis, 1, 0, tiled=True)
     out = plan.dispatcher.combine(y.astype(dtype))  # [Gl, S, D]
     axes = ep.batch_axes

@@ -10,7 +10,8 @@ mirror the dense ViT MLP (`DenseMlp`: `Mlp/Dense_0/{kernel,bias}`,
     Dense_up/kernel [E, D, H]  Dense_up/bias [E, H]     (gated MLPs only)
     Dense_1/kernel [E, H, D]   Dense_1/bias [E, D]      (output; the bias is
                                                          absent when the MoE
-                                                         layer adds it once)
+                                                         layer adds it once
+                                                         or has none)
 
 so a dense MLP initialises every expert with one rule
 (`(.*)/Moe/Mlp/(.*) -> \\1/Mlp/\\2`, see `vmoe_ext.train.initialization`).
@@ -84,7 +85,9 @@ def expert_dropout_keep(rng: Array, rate: float, num_experts: int,
   """The experts' dropout keep masks: `[E, N, H]` (after the activation) and
   `[E, N, D]` (after the output layer), drawn from `rng` on these global
   shapes, so an expert-parallel layer can draw them once and shard them
-  (`vmoe_ext.moe.expert_parallel`) and get the single-device masks."""
+  (`vmoe_ext.moe.expert_parallel`) and get the single-device masks. Both are
+  drawn whatever the placement (`dropout_output`), so the mask after the
+  activation does not depend on it."""
   keys = jax.random.split(rng, 2)
   return (jax.random.bernoulli(keys[0], 1.0 - rate,
                                (num_experts, slots, hidden)),
@@ -101,6 +104,7 @@ def _dropout(v: Array, rate: float, keep: Optional[Array]) -> Array:
 def mlp_experts(params: Mapping[str, Mapping[str, Array]], x: Array, *,
                 activation: str = "gelu",
                 dropout_rate: float = 0.0,
+                dropout_output: bool = True,
                 dropout_rng: Optional[Array] = None,
                 dropout_keep: Optional[tuple[Array, Array]] = None,
                 dtype: Any = jnp.float32) -> Array:
@@ -112,8 +116,11 @@ def mlp_experts(params: Mapping[str, Mapping[str, Array]], x: Array, *,
       (like `Dense_0`) for a gated activation; `Dense_1` may have no bias.
     x: `[E, N, D]` expert inputs (N = G*C buffer slots per expert).
     activation: one of `ACTIVATIONS`.
-    dropout_rate: dropout after the activation and after the output layer,
-      applied when `dropout_rng` is given.
+    dropout_rate: dropout after the activation and (with `dropout_output`)
+      after the output layer, applied when `dropout_rng` (or `dropout_keep`)
+      is given.
+    dropout_output: also drop after the output layer (vmoe, the dense ViT
+      MLP); False: after the activation only (tutel's experts, Swin-MoE).
     dropout_rng: PRNG key, or None for no dropout (deterministic); the
       masks are `expert_dropout_keep(dropout_rng, ...)` on x's shape.
     dropout_keep: the keep masks themselves (`[E, N, H]`, `[E, N, D]`),
@@ -142,6 +149,8 @@ def mlp_experts(params: Mapping[str, Mapping[str, Array]], x: Array, *,
   y = jnp.einsum("enh,ehd->end", h, out["kernel"].astype(dtype))
   if "bias" in out:
     y = y + out["bias"][:, None].astype(dtype)
+  if not dropout_output:
+    return y
   return _dropout(y, dropout_rate, keep[1])
 
 
@@ -174,8 +183,11 @@ class MlpExperts(nn.Module):
     hidden_size: H.
     activation: one of `ACTIVATIONS` ("gelu", as ViT; "swiglu" is gated).
     output_bias: give each expert's output layer a bias (False when the MoE
-      layer adds one bias once, `MoeLayer.output_bias="once"`).
-    dropout_rate: dropout after the activation and after the output layer.
+      layer adds one bias once or has none, `MoeLayer.output_bias="once"` or
+      `"none"`).
+    dropout_rate: dropout after the activation and (with `dropout_output`)
+      after the output layer.
+    dropout_output: see `mlp_experts`.
     init_mode: "independent" (default) or "shared" (all experts start equal).
     kernel_init: per-expert kernel initializer (applied to `[D, H]`/`[H, D]`).
   """
@@ -184,6 +196,7 @@ class MlpExperts(nn.Module):
   activation: str = "gelu"
   output_bias: bool = True
   dropout_rate: float = 0.0
+  dropout_output: bool = True
   init_mode: str = "independent"
   kernel_init: Callable = nn.initializers.xavier_uniform()
   bias_init: Callable = nn.initializers.normal(stddev=1e-6)
@@ -226,7 +239,8 @@ class MlpExperts(nn.Module):
     if compute is not None:
       return compute(params, x, rng)
     return mlp_experts(params, x, activation=self.activation,
-                       dropout_rate=self.dropout_rate, dropout_rng=rng,
+                       dropout_rate=self.dropout_rate,
+                       dropout_output=self.dropout_output, dropout_rng=rng,
                        dtype=self.dtype)
 
 
@@ -235,13 +249,16 @@ class DenseMlp(nn.Module):
   the dense ViT, and an MoE layer's shared experts).
 
   Parameters `Dense_0`, (`Dense_up`,) `Dense_1`, as the experts' without the
-  expert axis; `output_bias=False` drops `Dense_1`'s bias.
+  expert axis; `output_bias=False` drops `Dense_1`'s bias (Swin's
+  `mlp_fc2_bias`); `dropout_output=False` drops only after the activation
+  (an MoE layer's shared experts under `MoeLayer.dropout_output=False`).
   """
   mlp_dim: int
   dropout_rate: float = 0.0
   dtype: Any = jnp.float32
   activation: str = "gelu"
   output_bias: bool = True
+  dropout_output: bool = True
 
   @nn.compact
   def __call__(self, x: Array, *, deterministic: bool = True) -> Array:
@@ -254,4 +271,6 @@ class DenseMlp(nn.Module):
     x = hidden_activation(self.activation, pre, up)
     x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
     x = nn.Dense(d, name="Dense_1", use_bias=self.output_bias, **init)(x)
+    if not self.dropout_output:
+      return x
     return nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)

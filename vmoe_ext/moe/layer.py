@@ -41,7 +41,7 @@ def group_tokens(x: Array, group_size: Optional[int]) -> Array:
 
 DISPATCH_DTYPES = {None: None, "float32": jnp.float32,
                    "bfloat16": jnp.bfloat16}
-OUTPUT_BIASES = ("experts", "once")
+OUTPUT_BIASES = ("experts", "once", "none")
 
 
 class MoeLayer(nn.Module):
@@ -57,14 +57,21 @@ class MoeLayer(nn.Module):
       attacks, routing analysis), None: `capacity_factor`; vmoe evaluates
       its from-scratch models at 4.0 (`evaluate.model_overrides`).
     capacity_multiple: round C up to a multiple of this (None: the rounding
-      mode's default, 1 for "exact", 4 for "vmoe").
+      mode's default, 1 for "exact" and "tutel", 4 for "vmoe").
     capacity_rounding: "exact" (ceil of `S*K*cf/E` with float noise rounded
-      away, the default) or "vmoe" (google's vmoe: ceil of the raw float
+      away, the default), "vmoe" (google's vmoe: ceil of the raw float
       product; at S=800, K=2, E=8, cf=1.1 it gives 224 where "exact" gives
-      220); see `vmoe_ext.moe.capacity`.
+      220) or "tutel" (microsoft/tutel, Swin-MoE: `K * int(cf * ceil(S/E))`);
+      see `vmoe_ext.moe.capacity`.
     dispatcher: "indices" (gather/scatter, fast) or "einsum" (one-hot masks).
-    batch_priority: fill expert buffers by decreasing top-1 gate.
+    batch_priority: fill expert buffers by decreasing top-1 gate (or the
+      routing's `priority`, which `swin_moe` sets to tutel's max score).
     dropout_rate: dropout inside the experts.
+    dropout_output: the experts apply dropout after the activation and
+      after their output layer (True, vmoe's and the dense ViT MLP's
+      placement) or after the activation only (False: tutel's experts,
+      `dropout(act(x W_0 + b_0)) W_1 (+ b_1)`, as Swin-MoE). Shared experts
+      follow the same rule.
     expert_init: "independent" or "shared" expert initialisation.
     dispatch_dtype: None (float32 throughout) or "bfloat16": the data is
       rounded to bfloat16 around dispatch and combine (the tokens before
@@ -81,7 +88,9 @@ class MoeLayer(nn.Module):
       (the experts' output layers, shared ones included, have no bias; the
       layer adds one bias `[D]` to every token's output, dropped tokens
       included, as the dense MLP it replaces does; carving needs it so that
-      the carved layer equals the dense one).
+      the carved layer equals the dense one) or "none" (no output bias at
+      all, neither per expert nor once: Swin-MoE's `MLP_FC2_BIAS: False`,
+      which freezes tutel's zero-initialised expert output bias).
     activation: the experts' MLP activation (`vmoe_ext.moe.experts`), set by
       the model from its `mlp_activation`.
     expert_parallel: None (one device, or left to the compiler), or the
@@ -99,6 +108,7 @@ class MoeLayer(nn.Module):
   dispatcher: str = "indices"
   batch_priority: bool = False
   dropout_rate: float = 0.0
+  dropout_output: bool = True
   expert_init: str = "independent"
   dispatch_dtype: Optional[str] = None
   shared_experts: int = 0
@@ -135,6 +145,8 @@ class MoeLayer(nn.Module):
             f"{self.capacity_multiple!r}")
     require(0.0 <= self.dropout_rate < 1.0, "moe.dropout_rate",
             f"must be in [0, 1), got {self.dropout_rate}")
+    require(isinstance(self.dropout_output, bool), "moe.dropout_output",
+            f"must be True or False, got {self.dropout_output!r}")
     require(self.expert_init in INIT_MODES, "moe.expert_init",
             f"unknown expert init {self.expert_init!r}; expected one of "
             f"{INIT_MODES}")
@@ -207,8 +219,8 @@ class MoeLayer(nn.Module):
     experts = MlpExperts(
         num_experts=e, hidden_size=self.hidden_size,
         activation=self.activation, output_bias=per_expert_bias,
-        dropout_rate=self.dropout_rate, init_mode=self.expert_init,
-        dtype=self.dtype, name="Mlp")
+        dropout_rate=self.dropout_rate, dropout_output=self.dropout_output,
+        init_mode=self.expert_init, dtype=self.dtype, name="Mlp")
     if self.expert_parallel is None:
       plan = make_dispatch_plan(routing, num_experts=e, group_size=s,
                                 capacity=capacity, kind=self.dispatcher,
@@ -226,14 +238,16 @@ class MoeLayer(nn.Module):
               capacity=capacity, dispatcher=self.dispatcher,
               batch_priority=self.batch_priority, dispatch_dtype=dtype,
               activation=self.activation, dropout_rate=self.dropout_rate,
-              dropout_rng=rng, dtype=self.dtype))
+              dropout_output=self.dropout_output, dropout_rng=rng,
+              dtype=self.dtype))
     y = y.reshape(b, t, d).astype(x.dtype)
     if self.shared_experts:
       y = y + DenseMlp(self.shared_experts * self.hidden_size,
                        self.dropout_rate, self.dtype, self.activation,
-                       output_bias=per_expert_bias, name="SharedMlp")(
+                       output_bias=per_expert_bias,
+                       dropout_output=self.dropout_output, name="SharedMlp")(
                            x, deterministic=deterministic).astype(x.dtype)
-    if not per_expert_bias:
+    if self.output_bias == "once":
       y = y + self.param("bias", nn.initializers.normal(stddev=1e-6),
                          (d,)).astype(x.dtype)
 

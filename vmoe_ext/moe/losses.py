@@ -66,6 +66,40 @@ def gshard_loss(gates: Array, top1_expert: Array) -> Array:
   return jnp.mean(per_group)
 
 
+def tutel_cv_squared(values: Array, axis: int = -1) -> Array:
+  """tutel's `v.var() / (v.mean()**2 + 1e-10)` along `axis`.
+
+  torch's `var()` is the unbiased one (divides by n - 1; by 1 here when
+  n = 1, where torch gives NaN). Written through the centred squares as
+  `cv_squared`, so the gradient at zero spread is 0, not NaN.
+  """
+  n = values.shape[axis]
+  mean = jnp.mean(values, axis=axis)
+  sq = jnp.sum(jnp.square(values - jnp.expand_dims(mean, axis)), axis=axis)
+  return sq / max(n - 1, 1) / (jnp.square(mean) + 1e-10)
+
+
+def tutel_importance_loss(probs: Array) -> Array:
+  """tutel's importance loss, `tutel_cv_squared(sum_s probs[g, s, :])`;
+  probs `[G, S, E]` (the clean softmax in `load_importance_loss`)."""
+  return jnp.mean(tutel_cv_squared(jnp.sum(probs, axis=-2)))
+
+
+def tutel_load_loss(probs: Array, noisy_logits: Array, noise_std: float,
+                    num_selected: int) -> Array:
+  """tutel's load loss (`load_importance_loss`); `[G, S, E]` arrays.
+
+  `thr_s` is the K-th largest *noisy logit* of token s and the clean
+  *probability* `probs[s, e]` is compared with it, as tutel does (a
+  probability minus a logit, unlike `load_loss`'s logit minus logit):
+  `p[s, e] = Phi((probs[s, e] - thr_s) / noise_std)`,
+  `load_e = sum_s p[s, e]`, the loss `tutel_cv_squared(load)`.
+  """
+  threshold = partitionable_top_k(noisy_logits, num_selected)[0][..., -1:]
+  prob = jax.scipy.stats.norm.cdf((probs - threshold) / noise_std)
+  return jnp.mean(tutel_cv_squared(jnp.sum(prob, axis=-2)))
+
+
 def z_loss(logits: Array) -> Array:
   """Router z-loss `mean(logsumexp(l)^2)` over all tokens; logits `[G,S,E]`."""
   return jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))

@@ -44,18 +44,24 @@ class TokenChoiceRouting:
     valid: `[G, S, K]` bool, False for choices that do not exist (routers that
       select a variable number of experts per token, e.g. top-p, pad to a
       static K with invalid choices). Invalid choices never take capacity.
+    priority: `[G, S]` float, the score batch-priority routing orders the
+      tokens by (highest first), or None: the token's largest valid combine
+      weight. A router whose combine weights are not its selection scores
+      (tutel's normalised gates, `vmoe_ext.routers.swin_moe`) sets it.
   """
   expert_indices: Array
   gates: Array
   valid: Array
+  priority: Optional[Array] = None
 
   @classmethod
   def create(cls, expert_indices: Array, gates: Array,
-             valid: Optional[Array] = None) -> "TokenChoiceRouting":
+             valid: Optional[Array] = None,
+             priority: Optional[Array] = None) -> "TokenChoiceRouting":
     if valid is None:
       valid = jnp.ones(expert_indices.shape, dtype=bool)
     return cls(expert_indices=expert_indices.astype(jnp.int32), gates=gates,
-               valid=valid)
+               valid=valid, priority=priority)
 
   @property
   def num_selected(self) -> int:

@@ -17,6 +17,7 @@ ROUTERS = Registry("router", {
     "symphony": "vmoe_ext.routers.symphony:SymphonyRouter",
     "symphony_soft": "vmoe_ext.routers.symphony_soft:SymphonySoftRouter",
     "cmoe": "vmoe_ext.routers.cmoe:CMoERouter",
+    "swin_moe": "vmoe_ext.routers.swin_moe:SwinMoeRouter",
 })
 
 
