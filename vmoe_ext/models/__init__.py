@@ -1,24 +1,37 @@
-"""Models: the ViT-MoE encoder family and a factory from config dicts."""
+"""Models: the ViT-MoE encoder family, the Swin family, and a factory from
+config dicts."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+import dataclasses
+from typing import Any, Callable, Mapping, Optional
+
+import flax.linen as nn
 
 from vmoe_ext.errors import ConfigError, field_scope, require
 from vmoe_ext.models.placement import resolve_moe_layers
 from vmoe_ext.models.vit import MOE_DEFAULTS, VisionTransformerMoe
 from vmoe_ext.moe.expert_parallel import ExpertParallel
 from vmoe_ext.moe.contract import SOFT
-from vmoe_ext.registry import Registry
+from vmoe_ext.registry import Registry, resolve
 from vmoe_ext.routers.registry import ROUTERS
 
-# Config name -> `fn(config without name) -> VisionTransformerMoe fields`:
-# each model kind checks and completes its own config.
-MODELS = Registry("model", {
-    "vit": "vmoe_ext.models:dense_vit_fields",
-    "vit_moe": "vmoe_ext.models:vmoe_fields",
-    "soft_moe_vit": "vmoe_ext.models:soft_moe_vit_fields",
-})
+
+@dataclasses.dataclass(frozen=True)
+class ModelKind:
+  """What a `model.name` selects: the module class (its dataclass fields
+  are the config's fields) and `complete(config without name) -> fields`,
+  which checks and completes the config for that kind."""
+  module: str  # "package.module:Class", imported on use.
+  complete: Callable[[dict[str, Any]], dict[str, Any]]
+
+  @property
+  def cls(self) -> type:
+    return resolve(self.module)
+
+
+_VIT = "vmoe_ext.models.vit:VisionTransformerMoe"
+_SWIN = "vmoe_ext.models.swin:SwinTransformerMoe"
 
 
 def dense_vit_fields(config: dict[str, Any]) -> dict[str, Any]:
@@ -51,9 +64,33 @@ def soft_moe_vit_fields(config: dict[str, Any]) -> dict[str, Any]:
   return {**config, "moe": {**moe, "router": router}}
 
 
+def dense_swin_fields(config: dict[str, Any]) -> dict[str, Any]:
+  """A dense Swin: no MoE layers."""
+  require(config.get("moe") is None, "model.moe", "a dense 'swin' has no MoE "
+          "layers; use name='swin_moe' or drop the moe field")
+  return config
+
+
+def swin_moe_fields(config: dict[str, Any]) -> dict[str, Any]:
+  """A Swin-MoE: an `moe` section (any router) and `moe_blocks`."""
+  require(config.get("moe") is not None, "model.moe",
+          "model 'swin_moe' needs an moe config")
+  return config
+
+
+# Config name -> its `ModelKind`: a new backbone is one module plus one line.
+MODELS = Registry("model", {
+    "vit": ModelKind(_VIT, dense_vit_fields),
+    "vit_moe": ModelKind(_VIT, vmoe_fields),
+    "soft_moe_vit": ModelKind(_VIT, soft_moe_vit_fields),
+    "swin": ModelKind(_SWIN, dense_swin_fields),
+    "swin_moe": ModelKind(_SWIN, swin_moe_fields),
+})
+
+
 def build_model(config: Mapping[str, Any],
                 expert_parallel: Optional[ExpertParallel] = None
-                ) -> VisionTransformerMoe:
+                ) -> nn.Module:
   """Builds a model from a config dict (or ml_collections ConfigDict).
 
   `config["name"]` is one of:
@@ -61,8 +98,11 @@ def build_model(config: Mapping[str, Any],
     * "vit_moe": V-MoE, `moe` required (any router);
     * "soft_moe_vit": SoftMoE ViT, `moe` required; its router is soft:
       "soft" (the default) or a router over a soft base (ACMoE's SoftMoE
-      variant); one image per group.
-  The remaining keys are `VisionTransformerMoe` fields. Everything is
+      variant); one image per group;
+    * "swin": dense Swin Transformer (`vmoe_ext.models.swin`);
+    * "swin_moe": Swin-MoE, `moe` and `moe_blocks` required (any router).
+  The remaining keys are the selected class's fields
+  (`VisionTransformerMoe` or `SwinTransformerMoe`). Everything is
   validated here, before any tracing; errors name the full path
   ("model.moe.router.num_selected"). The types of the fields are checked by
   `vmoe_ext.config` (`validate_config`) before this is called.
@@ -70,12 +110,13 @@ def build_model(config: Mapping[str, Any],
   section, `vmoe_ext.sharding`) spreads the experts over a mesh axis.
   """
   config = _to_dict(config)
-  config = MODELS.get(config.pop("name", None))(config)
+  kind = MODELS.get(config.pop("name", None))
+  config = kind.complete(config)
   try:
     with field_scope("model"):
       if expert_parallel is not None and config.get("moe") is not None:
         config["expert_parallel"] = expert_parallel
-      return VisionTransformerMoe(**config)
+      return kind.cls(**config)
   except TypeError as e:  # Unknown keyword: name the field.
     raise ConfigError("model", str(e)) from e
 
@@ -88,6 +129,7 @@ def _to_dict(config: Any) -> Any:
   return config
 
 
-__all__ = ["MODELS", "MOE_DEFAULTS", "VisionTransformerMoe", "build_model",
-           "dense_vit_fields", "resolve_moe_layers", "soft_moe_vit_fields",
+__all__ = ["MODELS", "MOE_DEFAULTS", "ModelKind", "VisionTransformerMoe",
+           "build_model", "dense_swin_fields", "dense_vit_fields",
+           "resolve_moe_layers", "soft_moe_vit_fields", "swin_moe_fields",
            "vmoe_fields"]

@@ -1,6 +1,7 @@
 """The `model` config section, read from the classes that define its fields.
 
-    model         `VisionTransformerMoe`'s fields (`name`: a `MODELS` entry)
+    model         the fields of the class `name` selects (a `MODELS` entry:
+                  `VisionTransformerMoe`, `SwinTransformerMoe`)
     model.moe     the keys of `MOE_DEFAULTS` (types from `MoeLayer`, `Router`,
                   `resolve_moe_layers`)
     model.moe.router / model.stream
@@ -89,7 +90,9 @@ def _moe_fields(soft: bool):
 
 def _model_fields(value: Mapping[str, Any]) -> dict[str, Spec]:
   fields: dict[str, Spec] = {"name": Field("str", REQUIRED, choices=MODELS)}
-  fields.update(dataclass_fields(VisionTransformerMoe))
+  name = value.get("name")
+  cls = MODELS.get(name).cls if name in MODELS else VisionTransformerMoe
+  fields.update(dataclass_fields(cls))
   soft = value.get("name") == "soft_moe_vit"
   if "moe" in fields:
     fields["moe"] = Section(_moe_fields(soft), default=None, nullable=True)

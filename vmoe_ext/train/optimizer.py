@@ -71,7 +71,11 @@ MASKS = ("all", "no_bias_norm")
 # biases (flax "bias", the MoE experts' stacked "bi"/"bo" [E, H]/[E, D]),
 # LayerNorm and SoftMoE "scale", and the ViT position embedding and class
 # token.
-NO_DECAY_NAMES = frozenset({"bias", "scale", "pos_embedding", "cls"})
+NO_DECAY_NAMES = frozenset({"bias", "scale", "pos_embedding", "cls",
+                            "relative_position_bias_table"})
+# Modules none of whose parameters decay: the Swin-MoE release's continuous
+# position-bias MLP (its `no_weight_decay_keywords`).
+NO_DECAY_MODULES = ("cpb_mlp_",)
 
 _PREFIX = "optimizer"
 
@@ -267,10 +271,13 @@ def weight_decay_mask(params: Any, mode: str = "no_bias_norm") -> Any:
   * "all": every leaf decays.
   * "no_bias_norm": a leaf decays iff it has rank >= 2 *and* its own name
     (the last key of its path) is not one of `NO_DECAY_NAMES`: bias,
-    scale, pos_embedding, cls. So dense/conv/attention/expert kernels and
-    router weights decay; biases (including 2-D attention and expert
+    scale, pos_embedding, cls, relative_position_bias_table, and it is not
+    in a module named `cpb_mlp_*`. So dense/conv/attention/expert kernels
+    and router weights decay; biases (including 2-D attention and expert
     biases), LayerNorm scales, any 0-D/1-D parameter, the position
-    embedding and the class token do not.
+    embedding, the class token and a Swin's relative position bias (its
+    table, or the release's position-bias MLP, as the Swin releases
+    exclude them) do not.
 
   Raises:
     ConfigError("optimizer.weight_decay_mask") for an unknown mode.
@@ -281,7 +288,9 @@ def weight_decay_mask(params: Any, mode: str = "no_bias_norm") -> Any:
   def decays(path, leaf) -> bool:
     if mode == "all":
       return True
-    return jnp.ndim(leaf) >= 2 and _leaf_name(path) not in NO_DECAY_NAMES
+    return (jnp.ndim(leaf) >= 2 and _leaf_name(path) not in NO_DECAY_NAMES
+            and not any(_key_name(k).startswith(NO_DECAY_MODULES)
+                        for k in path[:-1]))
 
   return jax.tree_util.tree_map_with_path(decays, params)
 
