@@ -72,10 +72,12 @@ def make_routing_forward(model: nn.Module,
                          partitioning: Optional[Partitioning] = None
                          ) -> Callable:
   """Jitted `forward(variables, images [B,H,W,C], example_mask [B],
-  sample_index [k]) -> {"layer_i": {...}}`, per MoE block i:
+  sample_index) -> {"layer_i": {...}}`, per MoE block i:
   `assignments` `[E]` int32 (token->expert assignments of real examples),
   `top1` `[B, T]` int32, `samples` `[k, D]` float32 (the MoE inputs of the
-  flat token positions `sample_index` of `[B * T]`).
+  flat token positions `sample_index` of `[B * T]`). `sample_index` is one
+  `[k]` index for every layer, or `{"layer_i": [k_i]}` (layers of different
+  T, e.g. a Swin's stages).
 
   One `vmoe_ext.train.forward.Forward` pass (images as the pipeline
   normalised them) and its jit: with a `partitioning` (a multi-process job:
@@ -95,7 +97,10 @@ def make_routing_forward(model: nn.Module,
           "assignments": jnp.sum(mask & example_mask[:, None, None],
                                  axis=(0, 1), dtype=jnp.int32),
           "top1": top1_experts(mask, moe["selected_experts"]),
-          "samples": x.reshape(b * t, d)[sample_index].astype(jnp.float32),
+          "samples": x.reshape(b * t, d)[
+              sample_index[metric_key_of(block)]
+              if isinstance(sample_index, dict) else sample_index
+          ].astype(jnp.float32),
       }
     return out
 
@@ -108,7 +113,8 @@ class RoutingCounts:
   `assignments[layer]` `[E]` token->expert assignments (load balance);
   `joint[layer]` `[E_prev, E_cur]` contingency table of top-1 experts between
   the previous MoE layer and this one, over the tokens of real examples that
-  have a top-1 at both layers (instability).
+  have a top-1 at both layers (instability); only between layers over the
+  same tokens (not across a Swin's patch merging, which changes them).
   """
 
   def __init__(self):
@@ -136,6 +142,8 @@ class RoutingCounts:
     valid = np.asarray(example_mask, bool)[:, None]
     for prev, cur in zip(layers, layers[1:]):
       a, b = np.asarray(top1[prev]), np.asarray(top1[cur])
+      if a.shape != b.shape:  # Other tokens (a Swin's next stage): no pair.
+        continue
       e_prev, e_cur = len(self.assignments[prev]), len(self.assignments[cur])
       keep = valid & (a >= 0) & (b >= 0)
       joint = np.bincount(a[keep].astype(np.int64) * e_cur + b[keep],
@@ -169,29 +177,32 @@ class RoutingCounts:
 
 class TokenSample:
   """A uniform random sample (without replacement) of at most `size` tokens
-  of a stream: each token gets a random key, the `size` smallest are kept
-  (with, per layer, the token's MoE input and top-1 expert)."""
+  per layer of a stream: each token gets a random key, the `size` smallest
+  are kept (with the token's MoE input and top-1 expert). Layers over the
+  same tokens share the keys, so they keep the same tokens."""
 
   def __init__(self, size: int):
     self.size = size
-    self.keys = np.zeros(0)
+    self.keys: dict[str, np.ndarray] = {}
     self.tokens: dict[str, np.ndarray] = {}
     self.experts: dict[str, np.ndarray] = {}
 
-  def add(self, keys: np.ndarray, tokens: Mapping[str, np.ndarray],
+  def add(self, keys: Any, tokens: Mapping[str, np.ndarray],
           experts: Mapping[str, np.ndarray]) -> None:
-    """keys `[k]` (inf: padding, never kept), `{layer: [k, D]}`,
-    `{layer: [k]}`."""
-    finite = np.isfinite(keys)
-    keys = np.concatenate([self.keys, keys[finite]])
-    join = lambda old, new, name: np.concatenate(
-        [old[name], new[name][finite]]) if name in old else new[name][finite]
-    tokens = {l: join(self.tokens, tokens, l) for l in tokens}
-    experts = {l: join(self.experts, experts, l) for l in experts}
-    keep = np.argsort(keys, kind="stable")[:self.size]
-    self.keys = keys[keep]
-    self.tokens = {l: v[keep] for l, v in tokens.items()}
-    self.experts = {l: v[keep] for l, v in experts.items()}
+    """keys `[k]` for every layer, or `{layer: [k_l]}` (inf: padding, never
+    kept), `{layer: [k_l, D]}`, `{layer: [k_l]}`."""
+    for layer in tokens:
+      new = np.asarray(keys[layer] if isinstance(keys, Mapping) else keys)
+      finite = np.isfinite(new)
+      join = lambda old, add: (np.concatenate([old[layer], add[finite]])
+                               if layer in old else add[finite])
+      all_keys = join(self.keys, new)
+      all_tokens = join(self.tokens, np.asarray(tokens[layer]))
+      all_experts = join(self.experts, np.asarray(experts[layer]))
+      keep = np.argsort(all_keys, kind="stable")[:self.size]
+      self.keys[layer] = all_keys[keep]
+      self.tokens[layer] = all_tokens[keep]
+      self.experts[layer] = all_experts[keep]
 
 
 @dataclasses.dataclass
@@ -204,8 +215,9 @@ class RoutingAnalysis:
     num_experts: `{layer: E}`.
     images: `[n, H, W, C]` the `map_examples` images as the model saw them
       (resized), in [0, 1].
-    maps: `{layer: [n, H/ph, W/pw]}` int top-1 expert per patch (-1: none);
-      empty when the patch grid is unknown.
+    maps: `{layer: [n, h, w]}` int top-1 expert per token of the layer's
+      grid (a ViT's `H/ph x W/pw`; a Swin stage's), -1: none; a layer is
+      left out when its grid is unknown.
     sample: the MoE-input token sample (`TokenSample`).
   """
   metrics: dict[str, Any]
@@ -231,9 +243,10 @@ def analyze_routing(model: nn.Module, variables: Mapping[str, Any],
     batches: every evaluation example once, in order, padded.
     mean, std: undo the normalisation for the images of the maps.
     map_examples: positions (among the real examples, in order) of the
-      images of the expert maps. `model.patch_size` and `model.classifier`
-      ("token": token 0 is the class token, left out of the maps) give the
-      patch grid.
+      images of the expert maps. `model.token_grid(block, (H, W))` gives
+      each layer's patch grid and the leading non-patch tokens (a class
+      token), left out of the maps: a ViT's patch grid, a Swin stage's
+      grid (each token a `2^s x 2^s` block of patches after s merges).
     num_tokens: size of the uniform token sample for the t-SNE.
     seed: of that sample.
     on_batch: called after each batch (progress).
@@ -248,29 +261,34 @@ def analyze_routing(model: nn.Module, variables: Mapping[str, Any],
   counts, sample = RoutingCounts(), TokenSample(num_tokens)
   images: list[np.ndarray] = []
   maps: dict[str, list[np.ndarray]] = {}
-  skip = 1 if getattr(model, "classifier", "token") == "token" else 0
-  ph, pw = model.patch_size
   wanted = np.asarray(sorted(set(map_examples)), np.int64)
-  num_examples, t = 0, None
+  num_examples, tokens = 0, None
   for batch in batches:
     x = np.asarray(batch["image"], np.float32)
     valid = np.asarray(batch["mask"], bool)
     b, h, w = x.shape[:3]
-    grid = (h // ph, w // pw)
-    if t is None:  # Tokens per image T, as the MoE layers see them.
+    if tokens is None:  # Tokens per image T of each layer, as they see them.
       shapes = jax.eval_shape(forward, variables, x, valid,
                               np.zeros(1, np.int32))
-      t = next(iter(shapes.values()))["top1"].shape[1]
-    keys = rng.random((b, t))
-    keys[~valid] = np.inf
-    k = min(num_tokens, b * t)
-    index = np.argsort(keys.reshape(-1), kind="stable")[:k]
-    out = jax.device_get(forward(variables, x, valid, index))
+      tokens = {l: o["top1"].shape[1] for l, o in shapes.items()}
+      grids = {l: _map_grid(model, l, (h, w), t) for l, t in tokens.items()}
+    # One key per token of each distinct T (layers over the same tokens
+    # share theirs), drawn in layer order.
+    keys: dict[int, np.ndarray] = {}
+    for t in tokens.values():
+      if t not in keys:
+        keys[t] = rng.random((b, t))
+        keys[t][~valid] = np.inf
+    index = {t: np.argsort(v.reshape(-1), kind="stable")[:min(num_tokens,
+                                                             b * t)]
+             for t, v in keys.items()}
+    out = jax.device_get(forward(variables, x, valid,
+                                 {l: index[t] for l, t in tokens.items()}))
     top1 = {l: np.asarray(o["top1"]) for l, o in out.items()}
     counts.add({l: o["assignments"] for l, o in out.items()}, top1, valid)
-    sample.add(keys.reshape(-1)[index],
+    sample.add({l: keys[t].reshape(-1)[index[t]] for l, t in tokens.items()},
                {l: np.asarray(o["samples"]) for l, o in out.items()},
-               {l: v.reshape(-1)[index] for l, v in top1.items()})
+               {l: v.reshape(-1)[index[tokens[l]]] for l, v in top1.items()})
     positions = np.flatnonzero(valid)
     real = positions[np.isin(num_examples + np.arange(len(positions)),
                              wanted)]
@@ -278,10 +296,11 @@ def analyze_routing(model: nn.Module, variables: Mapping[str, Any],
     if len(real):
       images.append(np.clip(x[real] * np.asarray(std) + np.asarray(mean),
                             0.0, 1.0))
-      if t == grid[0] * grid[1] + skip:  # Else an unknown layout: no maps.
-        for layer, v in top1.items():
+      for layer, v in top1.items():
+        if grids[layer] is not None:  # Else an unknown layout: no map.
+          gh, gw, skip = grids[layer]
           maps.setdefault(layer, []).append(v[real, skip:].reshape(
-              len(real), *grid))
+              len(real), gh, gw))
     if on_batch is not None:
       on_batch()
   metrics = {**counts.metrics(), "num_examples": num_examples}
@@ -292,6 +311,16 @@ def analyze_routing(model: nn.Module, variables: Mapping[str, Any],
               else np.zeros((0, 1, 1, 1), np.float32)),
       maps={l: np.concatenate(v) for l, v in maps.items()},
       sample=sample)
+
+
+def _map_grid(model: nn.Module, layer: str, image_size: tuple[int, int],
+              tokens: int) -> Optional[tuple[int, int, int]]:
+  """`(h, w, extra)` of the patch grid behind layer `layer`'s T tokens, or
+  None when the model does not say (no `token_grid`) or T does not match."""
+  if not hasattr(model, "token_grid"):
+    return None
+  gh, gw, extra = model.token_grid(block_index(layer), image_size)
+  return (gh, gw, extra) if gh * gw + extra == tokens else None
 
 
 def tsne_embedding(tokens: np.ndarray, seed: int = 0,

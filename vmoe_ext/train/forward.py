@@ -157,7 +157,8 @@ class Forward:
     """`fn(variables, *arrays)` jitted, called the same way (see the module
     docstring for the global-array path). `replicated`: positions in
     `arrays` (0 = the first array after the variables) that are never split
-    (e.g. an index vector into the flattened batch)."""
+    (e.g. an index vector into the flattened batch); an argument may be a
+    pytree of arrays (e.g. one index per layer)."""
     if self.partitioning is None:
       return jax.jit(fn)
     part = self.partitioning
@@ -172,8 +173,9 @@ class Forward:
       return part.global_from_full(x, split)
 
     def global_fn(variables, *arrays):
-      return jitted(variables, *(to_global(x, i not in keep)
-                                 for i, x in enumerate(arrays)))
+      return jitted(variables, *(
+          jax.tree_util.tree_map(lambda a, s=i not in keep: to_global(a, s),
+                                 x) for i, x in enumerate(arrays)))
 
     return global_fn
 

@@ -12,14 +12,19 @@ from typing import Any, Optional
 
 import ml_collections
 
-from vmoe_ext.errors import require
+from vmoe_ext.errors import field_scope, require
 
 
-def num_tokens(model, image_shape: tuple[int, ...]) -> int:
-  """Tokens per image T for images `[B, H, W, C]`."""
+def moe_tokens(model, image_shape: tuple[int, ...]) -> dict[int, int]:
+  """Tokens per image T that each MoE block sees, for images
+  `[B, H, W, C]`: `{block: T}` (a ViT's are all equal; a Swin's shrink
+  4x per stage)."""
   _, h, w, _ = image_shape
-  ph, pw = model.patch_size
-  return (h // ph) * (w // pw) + (1 if model.classifier == "token" else 0)
+  out = {}
+  for block in model.moe_layers:
+    gh, gw, extra = model.token_grid(block, (h, w))
+    out[block] = gh * gw + extra
+  return out
 
 
 def validate_shapes(config: ml_collections.ConfigDict, model,
@@ -35,10 +40,8 @@ def validate_shapes(config: ml_collections.ConfigDict, model,
             f"{model.num_classes} is smaller than the dataset's "
             f"{num_classes} classes (labels would fall outside the logits)")
   _, h, w, _ = image_shape
-  ph, pw = model.patch_size
-  require(h % ph == 0 and w % pw == 0, "model.patch_size",
-          f"patch {tuple(model.patch_size)} does not divide the {h}x{w} "
-          "images of the dataset (set data.image_size to resize)")
+  with field_scope("model"):  # The patches (and a Swin's windows) fit.
+    model.check_image_size((h, w))
   ep = None if partitioning is None else partitioning.expert_parallel
   if ep is not None and model.moe is not None:
     ep.check_experts(model.moe["num_experts"])
@@ -47,16 +50,16 @@ def validate_shapes(config: ml_collections.ConfigDict, model,
       partitioning.check_batch_size(config.data[field], f"data.{field}")
   if model.moe is None:
     return
-  t = num_tokens(model, image_shape)
-  s = model.moe["group_size"] or t
-  for field in ("batch_size", "eval_batch_size"):
-    b = config.data[field]
-    require((b * t) % s == 0, f"data.{field}",
-            f"{b} images x {t} tokens = {b * t} tokens do not fill whole "
-            f"routing groups of model.moe.group_size={s}")
-  if ep is not None:
+  for block, t in sorted(moe_tokens(model, image_shape).items()):
+    s = model.moe["group_size"] or t
     for field in ("batch_size", "eval_batch_size"):
-      ep.check_groups(config.data[field] * t // s, f"data.{field}")
+      b = config.data[field]
+      require((b * t) % s == 0, f"data.{field}",
+              f"{b} images x {t} tokens (block {block}) = {b * t} tokens "
+              f"do not fill whole routing groups of model.moe.group_size={s}")
+    if ep is not None:
+      for field in ("batch_size", "eval_batch_size"):
+        ep.check_groups(config.data[field] * t // s, f"data.{field}")
 
 
-__all__ = ["num_tokens", "validate_shapes"]
+__all__ = ["moe_tokens", "validate_shapes"]
