@@ -1,12 +1,14 @@
-"""Size, FLOPs and memory of the ImageNet paper configs (`configs/imagenet.py`).
+"""Size, FLOPs and memory of the ImageNet paper configs (`configs/imagenet.py`,
+`configs/swin_moe_imagenet.py`).
 
-    python benchmarks/paper_configs.py [--quick] [--configs a,b,...]
+    python benchmarks/paper_configs.py [--quick] [--configs "a;b;..."]
 
 Issue 14 ("document expected hardware, time and memory"). Nothing is run on
 data: every figure comes from `jax.eval_shape` and from XLA's analysis of
 executables compiled ahead of time on abstract arguments (the host's CPU
 backend, float32 as the configs train), so it works on a laptop. For each
-model of `configs/imagenet.py`:
+model of `configs/imagenet.py` (a bare name) and of
+`configs/swin_moe_imagenet.py` (`swin_moe_imagenet:ARG`):
 
 * `params` (exact, `jax.eval_shape(model.init)`), `expert_params`;
   `param_bytes`, `opt_state_bytes` (`jax.eval_shape` of the config's
@@ -63,7 +65,10 @@ from vmoe_ext.train.state import TrainState  # noqa: E402
 from vmoe_ext.train.steps import cross_entropy, make_train_step  # noqa: E402
 
 CONFIGS = ("vmoe_s32_every2", "vmoe_s32_last2", "vmoe_s32_every2_ft",
-           "vmoe_s32_last2_ft", "soft_s16", "vit_s32")
+           "vmoe_s32_last2_ft", "soft_s16", "vit_s32",
+           "swin_moe_imagenet:top1", "swin_moe_imagenet:top2",
+           "swin_moe_imagenet:top2,acmoe", "swin_moe_imagenet:top2,symphony",
+           "swin_moe_imagenet:dense")
 FORWARD = 8  # Batch of the forward compile: one routing group of 8 images.
 # Batches of the two loss + backward compiles (memory slope between them).
 SMALL, LARGE = 32, 256
@@ -112,11 +117,14 @@ def _labels(batch: int) -> jax.ShapeDtypeStruct:
 def measure(name: str, full: bool) -> dict:
   """The figures of one config (module docstring)."""
   start = time.perf_counter()
-  config = load_config("imagenet", name)
+  file, _, arg = name.rpartition(":") if ":" in name else ("", "", name)
+  config = load_config(file or "imagenet", arg)
   model = build_model(config.model.to_dict())
   variables = jax.eval_shape(model.init, jax.random.key(0),
                              _images(FORWARD))
   params = variables["params"]
+  # Router state (Symphony's graph) as the model reads it; not trained here.
+  collections = {k: v for k, v in variables.items() if k != "params"}
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
   experts = sum(leaf.size for path, leaf in flat
                 if "/Moe/Mlp/" in "/" + "/".join(
@@ -128,20 +136,20 @@ def measure(name: str, full: bool) -> dict:
              expert_params=int(experts), param_bytes=_bytes(params),
              opt_state_bytes=_bytes(opt_state))
 
-  forward = jax.jit(lambda p, x: model.apply({"params": p}, x)[0]).lower(
-      params, _images(FORWARD)).compile()
+  forward = jax.jit(lambda p, s, x: model.apply({"params": p, **s}, x)[0]
+                    ).lower(params, collections, _images(FORWARD)).compile()
   out["forward_gflops_per_image"] = _cost(forward)["flops"] / FORWARD / 1e9
 
-  def loss(p, x, y):
+  def loss(p, s, x, y):
     logits, metrics = model.apply(
-        {"params": p}, x, deterministic=False,
+        {"params": p, **s}, x, deterministic=False,
         rngs={"gating": jax.random.key(1), "dropout": jax.random.key(2)})
     return jnp.mean(cross_entropy(logits, y)) + metrics["auxiliary_loss"]
 
   grad_bytes = {}
   for batch in (SMALL, LARGE):
     compiled = jax.jit(jax.grad(loss)).lower(
-        params, _images(batch), _labels(batch)).compile()
+        params, collections, _images(batch), _labels(batch)).compile()
     memory = compiled.memory_analysis()
     grad_bytes[batch] = (memory.argument_size_in_bytes
                          + memory.temp_size_in_bytes)
@@ -233,11 +241,12 @@ def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true",
                       help="skip the whole-train-step compiles")
-  parser.add_argument("--configs", default=",".join(CONFIGS),
-                      help="comma-separated models of configs/imagenet.py")
+  parser.add_argument("--configs", default=";".join(CONFIGS),
+                      help="semicolon-separated models: a name of "
+                      "configs/imagenet.py or swin_moe_imagenet:ARG")
   args = parser.parse_args(argv)
   figures = {}
-  for name in args.configs.split(","):
+  for name in args.configs.split(";"):
     figures[name] = measure(name, full=not args.quick)
     f = figures[name]
     gib = lambda key: f[key] / 2**30  # pylint: disable=cell-var-from-loop

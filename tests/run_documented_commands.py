@@ -85,7 +85,8 @@ def skip_reason(command: str) -> str | None:
   for pattern, why in SKIP:
     if pattern in command:
       return why
-  if "configs/imagenet.py" in command and SMALL_IMAGENET not in command:
+  if (re.search(r"configs/(imagenet|swin_moe_imagenet)\.py", command)
+      and SMALL_IMAGENET not in command):
     return ("a paper-size batch of 224-px images (the smoke command of "
             "docs/imagenet.md runs this config small)")
   return None

@@ -9,7 +9,7 @@ of each mesh.
 For every case of `cases()` the mesh runs (`MESH_CASES`; tiny 2-block
 V-MoEs, both blocks MoE, E=8 experts, 16 images of 17 tokens, one routing
 group each: top-k, expert choice, SoftMoE, ACMoE, Symphony, the heavy-ball
-momentum stream, a CMoE-carved model) the script runs, once with `build_model(cfg)` and plain
+momentum stream, a CMoE-carved model; and a two-stage Swin-MoE) the script runs, once with `build_model(cfg)` and plain
 `jax.jit` on one device and once with `build_model(cfg,
 part.expert_parallel)` and `part.jit_train_step` on the mesh (the state
 placed by `part.shard`, the batch split by `part.batch`), one train step
@@ -60,7 +60,7 @@ MESHES = ((8, 1), (4, 2), (1, 8))
 MESH_CASES = {
     (8, 1): ("symphony",),
     (4, 2): ("topk", "expert_choice", "soft_moe", "acmoe", "symphony",
-             "momentum", "carved"),
+             "momentum", "carved", "swin_moe"),
     (1, 8): ("topk",),
 }
 NUM_EXPERTS = 8
@@ -105,6 +105,20 @@ def cases() -> dict[str, dict[str, Any]]:
       "momentum": {**_BASE, "stream": dict(name="momentum", mu=0.7),
                    "moe": _moe(router=dict(_TOPK))},
       "carved": _carved(),
+      # A two-stage Swin-MoE (16 x 16 images, patch 2: 8 x 8 shifted
+      # windows of 4, then 4 x 4), MoE in block 1 of stage 0 and both blocks
+      # of stage 1: the Swin-MoE router under ACMoE's swin preset (AC on
+      # block 3), drop path.
+      "swin_moe": dict(
+          name="swin_moe", num_classes=5, patch_size=(2, 2), embed_dim=8,
+          depths=(2, 2), num_heads=(2, 2), window_size=4, mlp_ratio=2.0,
+          dropout_rate=0.1, drop_path_rate=0.1, head_kernel_zero_init=False,
+          moe_blocks=((1,), (0, 1)),
+          moe=_moe(router=dict(
+              name="acmoe", normalization="swin",
+              base=dict(name="swin_moe", num_selected=2)),
+              capacity_rounding="tutel", batch_priority=True,
+              dropout_output=False) | {"layers": None}),
   }
 
 

@@ -2,7 +2,8 @@
 
 For the meshes (data, expert) = (8, 1), (4, 2) and (1, 8), a subprocess
 (`sharded_runs`, 8 fake CPU devices) runs top-k, expert choice, SoftMoE,
-ACMoE, Symphony, the momentum stream and a CMoE-carved model (all on (4, 2);
+ACMoE, Symphony, the momentum stream, a CMoE-carved model and a Swin-MoE
+(all on (4, 2);
 on the other two meshes the cases of `sharded_runs.MESH_CASES`) on one
 device and expert-parallel on the mesh: a training-mode forward (logits, auxiliary
 loss, per-layer drop rate, expert usage, expert load, router losses), the
@@ -29,7 +30,7 @@ TOL = 1e-5
 RELATIVE = ("z_loss",)
 REL_TOL = 1e-6
 CASES = ("topk", "expert_choice", "soft_moe", "acmoe", "symphony",
-         "momentum", "carved")
+         "momentum", "carved", "swin_moe")
 
 
 @functools.lru_cache(maxsize=None)
@@ -82,7 +83,8 @@ def test_cases_are_not_trivial(shape):
       if not diffs[quantity]["scale"] > 0.1:
         problems.append(f"{case}: {quantity} are ~0 "
                         f"({diffs[quantity]['scale']:.3g})")
-    if case in ("topk", "expert_choice", "acmoe", "symphony", "momentum"):
+    if case in ("topk", "expert_choice", "acmoe", "symphony", "momentum",
+                "swin_moe"):
       if not any(v > 0 for v in ref["drop_rate"].values()):
         problems.append(f"{case}: no token dropped ({ref['drop_rate']})")
   for case, leaf in (("symphony", "adjacency"), ("carved", "bias")):
