@@ -4,9 +4,9 @@
 
 The embedded default job (data, optimizer, schedule, robustness section of
 `configs/default.py`) with a two-stage Swin in place of the ViT: patch 2 on
-the 28 x 28 images (14 x 14 tokens, width 32, 2 blocks, windows of 7 with
-the shifted second block), patch merging to 7 x 7 tokens (width 64, 4
-blocks, one window), MoE in blocks 1 and 3 of the second stage as the
+the images resized to 32 x 32 and patches of 4 (8 x 8 tokens, width 32, 2
+blocks, windows of 4, the second block's shifted), patch merging to 4 x 4
+tokens (width 64, 4 blocks, one window), MoE in blocks 1 and 3 of the second stage as the
 papers place them (every second block), E = 4 experts, capacity factor 1.25
 (tutel's rounding, batch-prioritised routing, groups of 8 images), expert
 dropout only after the activation, no expert output bias, stochastic depth
@@ -44,10 +44,11 @@ def get_config(arg=None):
     raise ValueError(f"unknown swin_moe config argument {choice!r}; one of "
                      f"{sorted(ROUTERS) + ['dense']}")
   config = load_config("default")
+  config.data.image_size = 32  # 28 / 4 = 7 tokens a side would not merge.
   config.model = dict(
       name="swin" if choice == "dense" else "swin_moe",
-      num_classes=10, patch_size=(2, 2), embed_dim=32, depths=(2, 4),
-      num_heads=(2, 4), window_size=7, mlp_ratio=2.0,
+      num_classes=10, patch_size=(4, 4), embed_dim=32, depths=(2, 4),
+      num_heads=(2, 4), window_size=4, mlp_ratio=2.0,
       relative_position_bias="table", drop_path_rate=0.1,
       dropout_rate=0.0, attention_dropout_rate=0.0)
   if choice != "dense":
@@ -55,7 +56,7 @@ def get_config(arg=None):
         moe_blocks=((-1,), (1, 3)),
         moe=dict(num_experts=4, capacity_factor=1.25,
                  capacity_rounding="tutel", batch_priority=True,
-                 group_size=49 * 8,  # 8 images of 7 x 7 tokens per group
+                 group_size=16 * 8,  # 8 images of 4 x 4 tokens per group
                  dropout_rate=0.0, dropout_output=False, output_bias="none",
                  router=ROUTERS[choice]))
   return config

@@ -92,3 +92,15 @@ def test_a_step_that_does_not_fit_is_refused_before_training(tmp_path,
   config.robustness.attacks = ()
   run = types.SimpleNamespace(config=config)
   memory.check_attack_memory(run)  # No AttributeError: returned first.
+
+
+def test_the_step_is_compiled_at_the_size_the_model_sees(tmp_path):
+  """`data.image_size` resizes the in-memory images: the step (and the
+  evaluation's shape check) take the resized shape, not the dataset's
+  native 8 x 8 (patch 6 divides 12, not 8)."""
+  config = load_config("tiny")
+  config.data.image_size = 12
+  config.model.patch_size = (6, 6)
+  run = setup(config, str(tmp_path / "run"))
+  assert run.eval_image_shape()[1:] == (12, 12, 1)
+  assert memory.attack_step_bytes(run) > 0

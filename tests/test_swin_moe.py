@@ -121,18 +121,22 @@ def _experts_from_dense(moe_params, dense_params):
   return out
 
 
-@pytest.mark.parametrize("router", [
-    dict(SWIN_MOE, normalize_gate=True),
-    dict(TOPK, renormalize_gates=True),
-    dict(ROUTERS["xmoe"], renormalize_gates=True),
+@pytest.mark.parametrize("router,dispatcher", [
+    (dict(SWIN_MOE, normalize_gate=True), "indices"),
+    (dict(SWIN_MOE, normalize_gate=True), "einsum"),
+    (dict(TOPK, renormalize_gates=True), "indices"),
+    (dict(ROUTERS["xmoe"], renormalize_gates=True), "indices"),
 ])
-def test_swin_moe_with_copies_of_the_dense_mlp_equals_the_dense_swin(router):
+def test_swin_moe_with_copies_of_the_dense_mlp_equals_the_dense_swin(
+    router, dispatcher):
   """Every expert a copy of the dense MLP, the K gates renormalised to sum
   to 1 and room for every token: the Swin-MoE computes the dense Swin's
-  logits, whatever the router picks (the MoE blocks are wired as the dense
+  logits, whatever the router picks and with either dispatcher (the MoE blocks are wired as the dense
   blocks are: norm, residual, stochastic depth, stages)."""
   dense = build_model(swin(name="swin", head_kernel_zero_init=False))
-  moe_model = build_model(swin(router, head_kernel_zero_init=False))
+  config = swin(router, head_kernel_zero_init=False)
+  config["moe"]["dispatcher"] = dispatcher
+  moe_model = build_model(config)
   dense_vars = dense.init(jax.random.key(4), IMAGES)
   moe_vars = moe_model.init(jax.random.key(5), IMAGES)
   params = _experts_from_dense(moe_vars["params"], dense_vars["params"])

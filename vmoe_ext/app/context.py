@@ -158,10 +158,16 @@ class RunContext:
 
   def eval_image_shape(self) -> tuple[int, ...]:
     """`[B, H, W, C]` of an evaluation batch on this process (streamed
-    batches hold this process's share of the rows)."""
+    batches hold this process's share of the rows), as the model sees it:
+    `data.image_size` resizes an in-memory dataset's images on the way
+    (the streamed ones come out of their preprocessing at that size)."""
     rows = self.config.data.eval_batch_size // (
         jax.process_count() if self.data.local_eval else 1)
-    return (rows,) + tuple(self.data.test.image_shape)
+    shape = tuple(self.data.test.image_shape)
+    size = self.config.data.get("image_size")
+    if size is not None:
+      shape = (size, size) + shape[2:]
+    return (rows,) + shape
 
   def open_evaluation(self, source: Optional[str] = None, *,
                       field: str = "robustness.checkpoint_dir") -> str:
