@@ -161,3 +161,24 @@ def test_attacks_differing_only_in_eps_share_one_compilation(setup):
   assert len(evaluator._attacks) == before + 1
   with pytest.raises(ConfigError, match="attack.eps"):
     evaluator.attack({"name": "pgd", "eps": -1.0, "steps": 2})
+
+
+def test_a_resizing_run_attacks_the_stored_images():
+  """`data.image_size`: the evaluator resizes the stored 8 x 8 images as the
+  pipeline does (`preprocessing.resize`) inside the forward pass, so its
+  clean logits are the model's on the pipeline's 12 x 12 images, and an
+  attack perturbs the stored images within eps of them."""
+  from vmoe_ext.data.preprocessing import resize
+  model = build_model(dict(name="vit", num_classes=3, patch_size=(6, 6),
+                           hidden_size=8, num_layers=1, num_heads=2,
+                           mlp_dim=8, head_kernel_zero_init=False))
+  images = np.asarray(jax.random.uniform(jax.random.key(0), (4, 8, 8, 1)))
+  labels = np.array([0, 1, 2, 0])
+  variables = model.init(jax.random.key(1), np.zeros((1, 12, 12, 1)))
+  evaluator = Evaluator(model, variables, 0.5, 0.25, image_size=12)
+  want = model.apply(variables, (resize(images, 12) - 0.5) / 0.25)[0]
+  np.testing.assert_allclose(evaluator.logits_fn(images), want, atol=1e-5)
+  adv = np.asarray(evaluator.attack({"name": "fgsm", "eps": 0.1})(
+      images, labels, jax.random.key(2)))
+  assert adv.shape == images.shape
+  assert np.abs(adv - images).max() == pytest.approx(0.1, abs=1e-6)

@@ -41,11 +41,16 @@ class Evaluator:
 
   def __init__(self, model: nn.Module, variables: Mapping[str, Any],
                mean: Any, std: Any,
-               partitioning: Optional[Partitioning] = None):
+               partitioning: Optional[Partitioning] = None,
+               image_size: Optional[int] = None):
     self.model = model
     self.variables = variables
     self.partitioning = partitioning
-    self.fwd = Forward(model, mean=mean, std=std, partitioning=partitioning)
+    # `image_size`: the run's `data.image_size`; the stored images are
+    # resized inside the forward pass (`Forward.resize`), so attacks and
+    # corruptions act on them and eps stays in their pixel units.
+    self.fwd = Forward(model, mean=mean, std=std, partitioning=partitioning,
+                       image_size=image_size)
     self.mean, self.std = self.fwd.mean, self.fwd.std
     # The jitted functions take the variables as an argument: a
     # multi-process job's arrays (expert weights split over processes)

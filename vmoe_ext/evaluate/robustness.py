@@ -27,7 +27,6 @@ from vmoe_ext.config.defaults import fill_defaults
 from vmoe_ext.config.schema import plain
 from vmoe_ext.data import ArrayDataset, default_normalization, eval_batches
 from vmoe_ext.data.corruptions import CORRUPTIONS, corrupt
-from vmoe_ext.errors import require
 from vmoe_ext.evaluate.autoattack_report import autoattack_section
 from vmoe_ext.evaluate.config import ROBUSTNESS
 from vmoe_ext.evaluate.corruption_metrics import corruption_errors
@@ -151,15 +150,12 @@ def evaluate_robustness(model: nn.Module, variables: Mapping[str, Any],
   `partitioning`: the run's mesh, for global variables of a multi-process
   job (see `Evaluator`)."""
   cfg = robustness_config(robustness)
-  size = data_config.get("image_size")
-  if cfg["attacks"] or cfg["sweep"] or cfg["corruptions"] is not None:
-    require(size is None or tuple(test.images.shape[1:3]) == (size, size),
-            "data.image_size",
-            f"attacks and corruptions run on the stored test images "
-            f"({test.images.shape[1]}x{test.images.shape[2]}); resizing them "
-            f"to {size} before attacking is not supported")
   mean, std = default_normalization(data_config)
-  evaluator = Evaluator(model, variables, mean, std, partitioning)
+  # Attacks and corruptions act on the stored test images (eps in their
+  # pixel units); with `data.image_size` the model's forward resizes them
+  # as the pipeline does.
+  evaluator = Evaluator(model, variables, mean, std, partitioning,
+                        image_size=data_config.get("image_size"))
   data = _subset(test, cfg["num_examples"])
   sections = []
 

@@ -42,6 +42,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from vmoe_ext.data.preprocessing import resize_weights
 from vmoe_ext.sharding.partitioning import Partitioning
 
 Array = jax.Array
@@ -102,19 +103,39 @@ class Forward:
       (`(x - mean) / std`, float32); None: images already normalised.
     partitioning: the run's mesh for `jit` (see the module docstring);
       None: one device.
+    image_size: when given, raw images of another size are first resized to
+      `image_size x image_size` by the linear interpolation the in-memory
+      pipeline resizes with (`vmoe_ext.data.preprocessing.resize`, the
+      `data.image_size` of a run), inside the traced function: an attack
+      perturbs the stored images and differentiates through the resize.
   """
 
   def __init__(self, model: nn.Module, *, mean: Any = None, std: Any = None,
-               partitioning: Optional[Partitioning] = None):
+               partitioning: Optional[Partitioning] = None,
+               image_size: Optional[int] = None):
     if (mean is None) != (std is None):
       raise ValueError("give both mean and std, or neither")
     self.model = model
     self.mean = None if mean is None else jnp.asarray(mean, jnp.float32)
     self.std = None if std is None else jnp.asarray(std, jnp.float32)
     self.partitioning = partitioning
+    self.image_size = image_size
+
+  def resize(self, images: Array) -> Array:
+    """`[B, H, W, C]` -> `[B, S, S, C]` with S = `image_size` (unchanged
+    without one, or at that size already)."""
+    s = self.image_size
+    _, h, w, _ = images.shape
+    if s is None or (h, w) == (s, s):
+      return images
+    wh = jnp.asarray(resize_weights(h, s), jnp.float32)
+    ww = jnp.asarray(resize_weights(w, s), jnp.float32)
+    out = jnp.einsum("oh,nhwc->nowc", wh, images.astype(jnp.float32))
+    return jnp.einsum("pw,nowc->nopc", ww, out)
 
   def normalize(self, images: Array) -> Array:
-    """What the model sees of `images`."""
+    """What the model sees of `images` (resized, normalised)."""
+    images = self.resize(images)
     if self.mean is None:
       return images
     return (images - self.mean) / self.std
