@@ -45,7 +45,6 @@ def swin(router=None, stream=None, name="swin_moe", **model):
 ROUTERS = {
     "noisy_topk": TOPK,
     "swin_moe": SWIN_MOE,
-    "swin_moe_gshard": dict(SWIN_MOE, num_selected=1, balance_loss="gshard"),
     "xmoe": dict(name="cosine", num_selected=2, projection_dim=4,
                  temperature=0.07, noise_std=0.0),
     "top_p": dict(name="top_p", num_selected=3, threshold=0.2),
@@ -55,13 +54,13 @@ ROUTERS = {
     "acmoe_symphony": dict(name="symphony", base=dict(
         name="acmoe", normalization="swin", base=SWIN_MOE)),
 }
-STREAMS = {
-    "momentum": dict(name="momentum", mu=0.8, gamma=1.0),
-    "adam": dict(name="adam", form="paper"),
-    "nag": dict(name="nag", mu=0.7, gamma=1.0),
-}
-CASES = [(r, None) for r in ROUTERS] + [("swin_moe", s) for s in STREAMS] + [
-    ("acmoe_swin", "momentum")]
+STREAMS = {"momentum": dict(name="momentum", mu=0.8, gamma=1.0)}
+# ACMoE + Symphony covers both wrappers (and ACMoE's placement is checked
+# against its base below); XMoE's forward inside Swin is the dense
+# equivalence test's; the other streams share the momentum stream's
+# per-stage restart (`mlp_sublayer`, `STREAMS.init_state` per stage).
+CASES = [(r, None) for r in ("noisy_topk", "top_p", "expert_choice",
+                             "acmoe_symphony")] + [("swin_moe", "momentum")]
 
 
 @pytest.mark.parametrize("router,stream", CASES,
@@ -83,7 +82,8 @@ def test_router_and_stream_train_inside_swin_moe(router, stream):
         mutable=["router_state", "intermediates"])
     return jnp.mean(logits ** 2) + metrics["auxiliary_loss"], (metrics, new)
 
-  grads, (metrics, new) = jax.grad(loss, has_aux=True)(variables["params"])
+  grads, (metrics, new) = jax.jit(jax.grad(loss, has_aux=True))(
+      variables["params"])
   assert sorted(k for k in metrics if k.startswith("layer_")) == [
       "layer_1", "layer_2", "layer_3"]
   assert np.isfinite(float(metrics["auxiliary_loss"]))
@@ -259,18 +259,18 @@ def test_the_run_assembly_rejects_windows_that_do_not_tile_the_data():
 
 
 def test_checkpoint_resume_bit_identical(tmp_path):
-  """Stop after step 3 of 6 and resume: params and the Symphony graphs of
+  """Stop after step 2 of 4 and resume: params and the Symphony graphs of
   every stage equal the uninterrupted run's, bit for bit (drop path and
   gate noise draw from the step's rngs)."""
   def config():
     c = _digits_swin(ROUTERS["acmoe_symphony"])
     c.robustness = None
     c.optimizer = ml_collections.ConfigDict(dict(
-        name="sgd", learning_rate=0.1, momentum=0.9, warmup_steps=2,
-        decay="cosine", total_steps=6))
-    return short_schedule(c)
+        name="sgd", learning_rate=0.1, momentum=0.9, warmup_steps=1,
+        decay="cosine", total_steps=4))
+    return short_schedule(c, total_steps=4)
 
-  _, state = straight_vs_resumed(config, tmp_path, stop_at_step=3)
+  _, state = straight_vs_resumed(config, tmp_path, stop_at_step=2)
   graphs = jax.tree.leaves(state.collections)
   assert len(graphs) == 3 and all(float(jnp.abs(g).sum()) > 0
                                   for g in graphs)
