@@ -120,6 +120,27 @@ def test_digits_split_is_fixed_and_stratified():
   np.testing.assert_array_equal(again["train"].images, train.images)
 
 
+def test_train_examples_keeps_the_first_of_each_class_evenly():
+  full = data.load_dataset({"name": "mnist5k"})
+  small = data.load_dataset({"name": "mnist5k", "train_examples": 503})
+  train = small["train"]
+  # 503 = 10 x 50 + 3: classes 0, 1, 2 keep 51, the others 50.
+  np.testing.assert_array_equal(np.bincount(train.labels),
+                                [51] * 3 + [50] * 7)
+  for c in range(10):  # Each class's first images in stored order.
+    want = full["train"].images[full["train"].labels == c]
+    got = train.images[train.labels == c]
+    np.testing.assert_array_equal(got, want[:len(got)])
+  np.testing.assert_array_equal(small["test"].images, full["test"].images)
+  # Hand case: class 1 has one example, so class 0 takes the rest.
+  ds = data.ArrayDataset(np.arange(5, dtype=np.float32).reshape(5, 1, 1, 1),
+                         np.array([0, 0, 1, 0, 0], np.int32), 2, "hand")
+  sub = data.loader.stratified_subset(ds, 4)
+  np.testing.assert_array_equal(sub.images.ravel(), [0, 1, 2, 3])
+  with _field_error("data.train_examples"):
+    data.load_dataset({"name": "digits", "train_examples": 1443})
+
+
 def test_default_normalization_matches_train_statistics():
   for name in ("mnist5k", "digits", "synthetic_clusters"):
     mean, std = data.dataset_stats(data.load_dataset({"name": name})["train"])

@@ -97,6 +97,7 @@ def test_kill_and_resume_gives_identical_params(data_dir, tmp_path):
     (dict(worker_count=-1), "data.worker_count"),
     (dict(augment=True), "data.augment"),
     (dict(image_size=None), "data.image_size"),
+    (dict(train_examples=10), "data.train_examples"),
     (dict(mean=0.2), "data.mean"),
     (dict(streaming=False), "data.pp_train"),  # pp_train without streaming.
     (dict(pp_eval="decode|flip_lr|value_range(-1, 1)"), "data.pp_eval"),

@@ -25,6 +25,10 @@ DATA_COMMON: dict[str, Spec] = {
     "eval_batch_size": Field("int", REQUIRED, low=1),
     "image_size": Field("int", None, nullable=True, low=1,
                         doc="resize to this side (None: native)"),
+    "train_examples": Field("int", None, nullable=True, low=1,
+                            doc="keep only this many training images, "
+                                "stratified: per class in stored order, "
+                                "classes as even as N allows (None: all)"),
     "augment": Field("bool", False),
     "flip": Field("bool", False),
     "pad": Field("int", None, nullable=True, low=0),
@@ -75,6 +79,9 @@ def _check_data(value: dict[str, Any]) -> None:
   if value.get("name") != "tfds":
     return
   if value.get("streaming"):
+    require(value.get("train_examples") is None, "train_examples",
+            "not with data.streaming=True (a streamed split is not held "
+            "in memory; data.max_examples bounds what is read)")
     check_streaming_config(value)
   else:
     for key in ("pp_train", "pp_eval"):

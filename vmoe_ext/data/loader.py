@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
+
 from vmoe_ext.data import builtin, synthetic, tfds_adapter
 from vmoe_ext.data.dataset import ArrayDataset
 from vmoe_ext.data.preprocessing import Stat
@@ -48,7 +50,40 @@ def load_dataset(config: Mapping[str, Any]) -> dict[str, ArrayDataset]:
   name = config.get("name", None)
   require(name in _LOADERS, "data.name",
           f"unknown dataset {name!r}; expected one of {DATASET_NAMES}")
-  return _LOADERS[name](config)
+  splits = _LOADERS[name](config)
+  count = config.get("train_examples", None)
+  if count is not None and "train" in splits:
+    splits = {**splits, "train": stratified_subset(splits["train"], count)}
+  return splits
+
+
+def stratified_subset(dataset: ArrayDataset, count: int) -> ArrayDataset:
+  """The first `count` examples of `dataset`, stratified: class c keeps its
+  first `count // C` examples in stored order, and classes 0, 1, ... one
+  more each until `count` is reached (a class with fewer examples gives
+  what it has and the rest goes to the next classes). The order of the kept
+  examples is the stored order; `TrainIterator` shuffles.
+
+  Raises:
+    ConfigError: "data.train_examples" above the split's size.
+  """
+  require(count <= len(dataset), "data.train_examples",
+          f"{count} training images asked, {dataset.name} has "
+          f"{len(dataset)}")
+  by_class = [np.flatnonzero(dataset.labels == c)
+              for c in range(dataset.num_classes)]
+  quota = [0] * dataset.num_classes
+  left = count
+  while left:  # Round-robin: even quotas, capped by what each class has.
+    for c, members in enumerate(by_class):
+      if left and quota[c] < len(members):
+        quota[c] += 1
+        left -= 1
+  keep = np.sort(np.concatenate(
+      [m[:q] for m, q in zip(by_class, quota)]).astype(np.int64))
+  return ArrayDataset(dataset.images[keep], dataset.labels[keep],
+                      dataset.num_classes,
+                      f"{dataset.name}[:{count} stratified]")
 
 
 def default_normalization(config: Mapping[str, Any]) -> tuple[Stat, Stat]:
