@@ -1,4 +1,4 @@
-"""Symphony router vs the V-MoE router on MNIST-5k (Symphony paper, Table 1/3).
+"""Symphony router vs the V-MoE router on MNIST-5k (Symphony, Tables 6 and 8).
 
     python experiments/symphony_vs_vmoe.py [--seeds 0 1 2] [--root runs/exp]
 

@@ -1,0 +1,452 @@
+"""Paired multi-seed comparisons: what every reproduction experiment shares.
+
+An experiment names `Candidate`s (a config file, its argument, overrides),
+trains each for every seed in every `Regime`, evaluates each run with the
+binary's after-training hook (the robustness section of
+`common.config_for`), and judges `Claim`s: a paper's statement that
+candidate B beats candidate A on a metric. Runs of one seed share the data
+order and, where the shapes agree, the initial weights, so the comparison is
+paired: per seed the difference d_s = metric(B) - metric(A); over n seeds
+its mean m, sample std s and standard error se = s / sqrt(n). Verdict:
+
+* "reproduced": m has the claimed sign and |m| >= 2 se;
+* "contradicted": m has the other sign and |m| >= 2 se;
+* "not at this scale": |m| < 2 se (within noise), or fewer than 3 seeds
+  (`MIN_SEEDS`: with two, a discrete metric ties often enough to give
+  std 0).
+
+(2 se is a screening threshold, not a significance test: with 3 seeds a
+two-sided 95% t-interval needs 4.3 se. The report prints m, s and se, so a
+reader can apply a stricter rule.)
+
+Each run lives in ROOT/REGIME/KEY_SEED (a finished run is reused, an
+interrupted one resumed). `--quick` shrinks every budget (CI runs it so the
+scripts never rot); its numbers mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import math
+import multiprocessing
+import os
+import statistics
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+import jax
+
+from common import write_report
+from vmoe_ext.app.schema import validate_config
+from vmoe_ext.app.train import train_and_evaluate
+from vmoe_ext.evaluate.final import after_training_hook
+from vmoe_ext.reporting.writers import read_metrics
+from vmoe_ext.train.config_files import load_config
+
+VERDICTS = ("reproduced", "not at this scale", "contradicted")
+MIN_SEEDS = 3  # Fewer seeds give no decisive verdict.
+
+
+@dataclasses.dataclass(frozen=True)
+class Metric:
+  """One figure of a finished run: `extract(records) -> float`; `better`
+  is +1 where higher is better, -1 where lower is."""
+  label: str
+  better: int
+  extract: Callable[[list[dict]], float]
+
+
+def _last(records: list[dict], split: str, key: str, scale: float = 1.0,
+          final: bool = False) -> float:
+  rows = [r for r in records if r.get("split") == split and key in r
+          and (r.get("final") or not final)]
+  return scale * rows[-1][key] if rows else float("nan")
+
+
+def _mean_over_layers(records: list[dict], split: str, suffix: str,
+                      scale: float = 1.0) -> float:
+  rows = [r for r in records if r.get("split") == split]
+  if not rows:
+    return float("nan")
+  values = [v for k, v in rows[-1].items() if k.endswith(suffix)]
+  return scale * statistics.mean(values) if values else float("nan")
+
+
+def _final_train_loss(records: list[dict]) -> float:
+  """Mean training loss over the last 5 logged steps."""
+  losses = [r["loss"] for r in records if r.get("split") == "train"
+            and "loss" in r]
+  return statistics.mean(losses[-5:]) if losses else float("nan")
+
+
+METRICS: dict[str, Metric] = {
+    "clean": Metric("clean accuracy %", +1,
+                    lambda r: _last(r, "test", "accuracy", 100, final=True)),
+    "fgsm": Metric("FGSM accuracy %", +1,
+                   lambda r: _last(r, "adversarial/fgsm", "accuracy", 100)),
+    "pgd": Metric("PGD accuracy %", +1,
+                  lambda r: _last(r, "adversarial/pgd", "accuracy", 100)),
+    "mce": Metric("mean corruption error %", -1,
+                  lambda r: _last(r, "corruption", "mean_corruption_error",
+                                  100)),
+    "load": Metric("load imbalance (std of expert %)", -1,
+                   lambda r: _last(r, "routing", "load_balance_mean")),
+    "instability": Metric("router instability", -1,
+                          lambda r: _last(r, "routing", "instability_mean")),
+    "routing_change": Metric(
+        "PGD routing change % (mean over layers)", -1,
+        lambda r: _mean_over_layers(r, "adversarial/pgd",
+                                    "routing_change_rate", 100)),
+    "train_loss": Metric("final train loss", -1, _final_train_loss),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+  """`configs/CONFIG.py[:ARG]` with `overrides` applied: `(dotted field,
+  value)` pairs, e.g. `(("model.moe.router", {...}),)` (data, so that a
+  worker process can rebuild the config)."""
+  key: str
+  label: str
+  config: str
+  arg: Optional[str] = None
+  overrides: tuple[tuple[str, Any], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Regime:
+  """A training budget: `train_examples` training images (None: all) for
+  `total_steps` steps (None: the config's)."""
+  name: str
+  description: str
+  train_examples: Optional[int] = None
+  total_steps: Optional[int] = None
+
+
+REGIMES = {
+    "default": Regime("default", "the config's budget (MNIST-5k: 4,000 "
+                      "training images, 2,500 steps)"),
+    "low_data": Regime("low_data", "500 training images (50 per class), "
+                       "600 steps (~150 epochs), where the baseline is well "
+                       "below its ceiling", train_examples=500,
+                       total_steps=600),
+}
+QUICK_REGIMES = {
+    "default": Regime("default", "quick: 30 steps", total_steps=30),
+    "low_data": Regime("low_data", "quick: 100 images, 20 steps",
+                       train_examples=100, total_steps=20),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+  """A paper's claim that `candidate` beats `baseline` on `metric` (in the
+  metric's `better` direction)."""
+  source: str
+  statement: str
+  baseline: str
+  candidate: str
+  metric: str
+
+
+def build_config(candidate: Candidate, seed: int, regime: Regime,
+                 quick: bool):
+  """The candidate's config for one seed and regime, with the shared
+  robustness section: FGSM and 10-step PGD (random start) at eps 0.05 and
+  the 15 corruptions at severities 1-5 on 500 test images (quick: 2 PGD
+  steps, severity 3, 32 images); the routing analysis without its t-SNE
+  figure."""
+  config = load_config(candidate.config, candidate.arg)
+  for field, value in candidate.overrides:
+    *parents, leaf = field.split(".")
+    node = config
+    for name in parents:
+      node = node[name]
+    node[leaf] = value
+  config.seed = seed
+  if regime.train_examples is not None:
+    config.data.train_examples = regime.train_examples
+  if regime.total_steps is not None:
+    config.train.total_steps = regime.total_steps
+    config.train.eval_every = regime.total_steps
+    config.train.checkpoint_every = regime.total_steps
+    config.train.log_every = max(1, min(config.train.log_every,
+                                        regime.total_steps // 10))
+  robustness = config.robustness
+  robustness.num_examples = 32 if quick else 500
+  robustness.attacks = (
+      dict(name="fgsm", eps=0.05),
+      dict(name="pgd", eps=0.05, steps=2 if quick else 10,
+           step_size=0.0125, random_start=True))
+  robustness.sweep = None
+  robustness.corruptions = dict(names=None,
+                                severities=(3,) if quick else (1, 2, 3, 4, 5))
+  config.data.analysis_tsne_tokens = 0  # No t-SNE figure (3 s a layer).
+  return config
+
+
+def run_dir(root: str, regime: Regime, candidate: Candidate, seed: int) -> str:
+  return os.path.join(root, regime.name, f"{candidate.key}_{seed}")
+
+
+def finished(workdir: str) -> bool:
+  return os.path.exists(os.path.join(workdir, "report.md"))
+
+
+def train_run(candidate: Candidate, seed: int, regime: Regime, quick: bool,
+              workdir: str, log: Optional[str] = None) -> None:
+  """Trains and evaluates one run into `workdir` (resuming an interrupted
+  one); with `log`, this process's output goes to that file."""
+  if log is not None:
+    os.makedirs(os.path.dirname(log), exist_ok=True)
+    handle = open(log, "a")
+    os.dup2(handle.fileno(), 1)
+    os.dup2(handle.fileno(), 2)
+  config = build_config(candidate, seed, regime, quick)
+  train_and_evaluate(config, workdir,
+                     after_training=after_training_hook(config, workdir))
+
+
+def run_grid(candidates: Sequence[Candidate], regimes: Sequence[Regime],
+             seeds: Sequence[int], root: str, quick: bool, jobs: int = 1
+             ) -> dict:
+  """`{(regime, key, seed): metrics records}`, training what has not
+  finished, `jobs` runs at a time (separate processes, each logging to
+  its WORKDIR.log; on 2 cores two at a time give ~1.35x the throughput
+  of one)."""
+  grid = [(regime, candidate, seed) for regime in regimes
+          for candidate in candidates for seed in seeds]
+  todo = [(c, s, r, quick, run_dir(root, r, c, s)) for r, c, s in grid
+          if not finished(run_dir(root, r, c, s))]
+  if todo:
+    # Identical programs across seeds and regimes compile once.
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                          os.path.join(root, ".jax_cache"))
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    jax.config.update("jax_compilation_cache_dir",
+                      os.environ["JAX_COMPILATION_CACHE_DIR"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  if jobs > 1 and len(todo) > 1:
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context
+                                                ) as pool:
+      futures = {pool.submit(train_run, *task, log=task[-1] + ".log"): task
+                 for task in todo}
+      for future in concurrent.futures.as_completed(futures):
+        future.result()  # A failed run fails the experiment.
+        print("finished", futures[future][-1], flush=True)
+  else:
+    for task in todo:
+      train_run(*task)
+  return {(r.name, c.key, s): read_metrics(run_dir(root, r, c, s))
+          for r, c, s in grid}
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float]:
+  """Mean and sample standard deviation (0 for one value; NaN for both
+  if a value is missing)."""
+  if any(math.isnan(v) for v in values):
+    return float("nan"), float("nan")
+  std = statistics.stdev(values) if len(values) > 1 else 0.0
+  return statistics.mean(values), std
+
+
+@dataclasses.dataclass(frozen=True)
+class Paired:
+  """The paired difference candidate - baseline over seeds."""
+  mean: float
+  std: float
+  n: int
+
+  @property
+  def se(self) -> float:
+    return self.std / math.sqrt(self.n) if self.n > 1 else float("inf")
+
+
+def paired(baseline: Sequence[float], candidate: Sequence[float]) -> Paired:
+  diffs = [c - b for b, c in zip(baseline, candidate, strict=True)]
+  m, s = mean_std(diffs)
+  return Paired(m, s, len(diffs))
+
+
+def verdict(diff: Paired, better: int) -> str:
+  """The rule of the module docstring; `better` = +1 / -1 is the claimed
+  sign of the difference."""
+  if diff.n < MIN_SEEDS or math.isnan(diff.mean):
+    return "not at this scale"
+  if diff.std == 0.0:
+    strong = diff.mean != 0.0
+  else:
+    strong = abs(diff.mean) >= 2 * diff.se
+  if not strong:
+    return "not at this scale"
+  return "reproduced" if diff.mean * better > 0 else "contradicted"
+
+
+def values(runs: dict, regime: str, key: str, metric: str,
+           seeds: Sequence[int]) -> list[float]:
+  return [METRICS[metric].extract(runs[regime, key, s]) for s in seeds]
+
+
+def results_table(runs: dict, regime: str, candidates: Sequence[Candidate],
+                  metrics: Sequence[str], seeds: Sequence[int]) -> list[str]:
+  """Markdown: mean ± std over seeds per candidate and metric."""
+  lines = ["| model | " + " | ".join(METRICS[m].label for m in metrics)
+           + " |", "|---|" + "---|" * len(metrics)]
+  for c in candidates:
+    cells = ["%.2f ± %.2f" % mean_std(values(runs, regime, c.key, m, seeds))
+             for m in metrics]
+    lines.append(f"| {c.label} | " + " | ".join(cells) + " |")
+  return lines
+
+
+def claims_table(runs: dict, regime: str, claims: Sequence[Claim],
+                 labels: dict[str, str], seeds: Sequence[int]
+                 ) -> tuple[list[str], list[dict]]:
+  """Markdown: one row per claim with the paired difference and verdict;
+  and the rows as dicts (for CLAIMS.md and tests)."""
+  lines = ["| source | claim | baseline → candidate | metric | paired "
+           "difference (mean ± std, se) | verdict |",
+           "|---|---|---|---|---|---|"]
+  rows = []
+  for claim in claims:
+    metric = METRICS[claim.metric]
+    diff = paired(values(runs, regime, claim.baseline, claim.metric, seeds),
+                  values(runs, regime, claim.candidate, claim.metric, seeds))
+    v = verdict(diff, metric.better)
+    rows.append(dict(claim=claim, diff=diff, verdict=v))
+    lines.append(
+        f"| {claim.source} | {claim.statement} | {labels[claim.baseline]} → "
+        f"{labels[claim.candidate]} | {metric.label} | {diff.mean:+.2f} ± "
+        f"{diff.std:.2f} (se {diff.se:.2f}) | {v} |")
+  return lines, rows
+
+
+def per_seed_lines(runs: dict, regime: str, candidates: Sequence[Candidate],
+                   metrics: Sequence[str], seeds: Sequence[int]) -> list[str]:
+  lines = []
+  for c in candidates:
+    for s in seeds:
+      lines.append(f"- {c.label}, seed {s}: " + ", ".join(
+          f"{m} {METRICS[m].extract(runs[regime, c.key, s]):.3f}"
+          for m in metrics))
+  return lines
+
+
+def train_curve(records: list[dict]) -> tuple[list[int], list[float]]:
+  rows = [r for r in records if r.get("split") == "train" and "loss" in r]
+  return [r["step"] for r in rows], [r["loss"] for r in rows]
+
+
+def plot(runs: dict, regime: str, candidates: Sequence[Candidate],
+         metrics: Sequence[str], seeds: Sequence[int], path: str) -> str:
+  """One PNG: a bar chart (mean ± std over seeds) per metric, and the
+  training-loss curves (mean over seeds) of every candidate."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  panels = len(metrics) + 1
+  cols = min(3, panels)
+  rows = -(-panels // cols)
+  fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows),
+                           squeeze=False)
+  axes = axes.ravel()
+  keys = [c.key for c in candidates]
+  for ax, m in zip(axes, metrics):
+    stats = [mean_std(values(runs, regime, k, m, seeds)) for k in keys]
+    ax.bar(range(len(keys)), [s[0] for s in stats],
+           yerr=[s[1] for s in stats], capsize=3, color="tab:blue")
+    finite = [s[0] for s in stats if math.isfinite(s[0])]
+    if finite:
+      span = max(finite) - min(finite)
+      pad = max(span, 1e-3 * max(1.0, abs(max(finite))))
+      ax.set_ylim(min(finite) - 1.5 * pad, max(finite) + 1.5 * pad)
+    ax.set_xticks(range(len(keys)), keys, rotation=40, ha="right",
+                  fontsize=7)
+    ax.set_title(METRICS[m].label, fontsize=9)
+  ax = axes[len(metrics)]
+  for c in candidates:
+    curves = [train_curve(runs[regime, c.key, s]) for s in seeds]
+    steps = curves[0][0]
+    losses = [statistics.mean(l[i] for _, l in curves)
+              for i in range(min(len(l) for _, l in curves))]
+    ax.plot(steps[:len(losses)], losses, label=c.key, lw=1)
+  ax.set_yscale("log")
+  ax.set_xlabel("step")
+  ax.set_title("training loss (mean over seeds)", fontsize=9)
+  ax.legend(fontsize=6)
+  for ax in axes[panels:]:
+    ax.axis("off")
+  fig.suptitle(f"regime: {regime}; seeds {list(seeds)}", fontsize=10)
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
+
+
+def parse_args(description: str, argv: Optional[Sequence[str]] = None,
+               default_root: str = os.path.join("runs", "repro")
+               ) -> argparse.Namespace:
+  """`--seeds` (default 0 1 2; quick: 0 1), `--root`, `--regimes`,
+  `--quick`, `--jobs`."""
+  parser = argparse.ArgumentParser(description=description)
+  parser.add_argument("--seeds", type=int, nargs="+", default=None)
+  parser.add_argument("--root", default=default_root)
+  parser.add_argument("--regimes", nargs="+", choices=sorted(REGIMES),
+                      default=list(REGIMES))
+  parser.add_argument("--quick", action="store_true",
+                      help="tiny budgets (CI): the numbers mean nothing")
+  parser.add_argument("--jobs", type=int, default=2,
+                      help="runs trained at a time (processes)")
+  args = parser.parse_args(argv)
+  if args.seeds is None:
+    args.seeds = [0, 1] if args.quick else [0, 1, 2]
+  return args
+
+
+def run_experiment(title: str, intro: Sequence[str],
+                   candidates: Sequence[Candidate], claims: Sequence[Claim],
+                   metrics: Sequence[str], args: argparse.Namespace,
+                   name: str, quick_keys: Sequence[str] = ()
+                   ) -> tuple[str, dict]:
+  """Trains the grid, writes ROOT/NAME.md (a section per regime: results,
+  claims with verdicts, per-seed values) and ROOT/NAME_REGIME.png; returns
+  the report and `{regime: claim rows}`. `--quick` checks every
+  candidate's config (`validate_config`: nothing compiles) and trains only
+  `quick_keys`; claims between candidates not trained are left out."""
+  regimes = [(QUICK_REGIMES if args.quick else REGIMES)[r]
+             for r in args.regimes]
+  if args.quick:
+    for c in candidates:
+      validate_config(build_config(c, 0, regimes[0], quick=True))
+    candidates = [c for c in candidates if c.key in quick_keys]
+  keys = {c.key for c in candidates}
+  claims = [c for c in claims if {c.baseline, c.candidate} <= keys]
+  runs = run_grid(candidates, regimes, args.seeds, args.root, args.quick,
+                  args.jobs)
+  labels = {c.key: c.label for c in candidates}
+  lines = [f"# {title}", ""] + list(intro) + [
+      "", f"Seeds {list(args.seeds)}; mean ± std (sample std) over seeds; "
+      "verdicts from the paired difference over seeds (reproduced / "
+      "contradicted: |mean| >= 2 standard errors in / against the claimed "
+      "direction; otherwise not at this scale)."
+      + (" QUICK MODE: tiny budgets, the numbers mean nothing."
+         if args.quick else ""), ""]
+  verdicts = {}
+  for regime in regimes:
+    png = plot(runs, regime.name, candidates, metrics, args.seeds,
+               os.path.join(args.root, f"{name}_{regime.name}.png"))
+    claim_lines, rows = claims_table(runs, regime.name, claims, labels,
+                                     args.seeds)
+    verdicts[regime.name] = rows
+    lines += [f"## Regime `{regime.name}`: {regime.description}", "",
+              *results_table(runs, regime.name, candidates, metrics,
+                             args.seeds), "", "Claims:", "", *claim_lines,
+              "", f"![{regime.name}]({os.path.basename(png)})", "",
+              "Per seed:", "",
+              *per_seed_lines(runs, regime.name, candidates, metrics,
+                              args.seeds), ""]
+  return write_report(args.root, f"{name}.md", lines), verdicts

@@ -1,0 +1,121 @@
+"""The reproduction experiments' shared machinery (experiments/study.py):
+the paired statistics and verdicts against hand-computed cases, the metric
+extraction from hand-written metrics records, and the configs it builds."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir,
+                                "experiments"))
+import study  # noqa: E402  pylint: disable=g-import-not-at-top
+
+from vmoe_ext.app.schema import validate_config  # noqa: E402
+
+
+def test_paired_difference_hand_case():
+  diff = study.paired([1.0, 2.0, 3.0], [2.0, 3.1, 4.2])
+  # d = 1.0, 1.1, 1.2: mean 1.1, sample std 0.1, se 0.1 / sqrt(3).
+  assert diff.n == 3
+  assert diff.mean == pytest.approx(1.1)
+  assert diff.std == pytest.approx(0.1)
+  assert diff.se == pytest.approx(0.1 / math.sqrt(3))
+  with pytest.raises(ValueError):
+    study.paired([1.0, 2.0], [1.0])
+
+
+@pytest.mark.parametrize("diffs, better, expected", [
+    ([1.0, 1.1, 1.2], +1, "reproduced"),
+    ([1.0, 1.1, 1.2], -1, "contradicted"),
+    ([1.0, -1.0, 0.5], +1, "not at this scale"),   # mean 0.17, se 0.60
+    ([0.3, 0.3, 0.3], -1, "contradicted"),        # std 0: any mean counts
+    ([0.0, 0.0, 0.0], +1, "not at this scale"),
+    ([2.0, 2.1], +1, "not at this scale"),         # < 3 seeds: no verdict
+    # mean 0.5, std 0.5, se 0.289: |m| = 1.73 se < 2 se.
+    ([0.0, 0.5, 1.0], +1, "not at this scale"),
+    # mean 0.6, std 0.4, se 0.231: |m| = 2.6 se.
+    ([0.2, 0.6, 1.0], +1, "reproduced"),
+])
+def test_verdict_rule(diffs, better, expected):
+  diff = study.paired([0.0] * len(diffs), diffs)
+  assert study.verdict(diff, better) == expected
+
+
+RECORDS = [
+    {"step": 10, "split": "train", "loss": 2.0},
+    {"step": 20, "split": "train", "loss": 1.0},
+    {"step": 30, "split": "train", "loss": 0.5},
+    {"step": 30, "split": "test", "accuracy": 0.5},
+    {"step": 30, "split": "test", "accuracy": 0.9, "final": True},
+    {"step": 30, "split": "adversarial/pgd", "accuracy": 0.25,
+     "layer_1/routing_change_rate": 0.1, "layer_3/routing_change_rate": 0.3,
+     "prediction_change_rate": 0.7},
+    {"step": 30, "split": "corruption", "mean_corruption_error": 0.2},
+    {"step": 30, "split": "routing", "load_balance_mean": 3.5},
+]
+
+
+def test_metrics_read_from_hand_records():
+  m = {k: v.extract(RECORDS) for k, v in study.METRICS.items()}
+  assert m["clean"] == pytest.approx(90.0)       # The final line, in %.
+  assert m["pgd"] == pytest.approx(25.0)
+  assert m["routing_change"] == pytest.approx(20.0)  # Mean of 10 and 30.
+  assert m["mce"] == pytest.approx(20.0)
+  assert m["load"] == pytest.approx(3.5)
+  assert m["train_loss"] == pytest.approx(3.5 / 3)  # Fewer than 5 logged.
+  assert math.isnan(m["fgsm"]) and math.isnan(m["instability"])
+
+
+def test_claims_table_pairs_by_seed():
+  runs = {}
+  for seed, (a, b) in enumerate([(0.90, 0.92), (0.95, 0.96), (0.80, 0.83)]):
+    for key, acc in (("base", a), ("new", b)):
+      runs["default", key, seed] = [
+          {"step": 1, "split": "test", "accuracy": acc, "final": True}]
+  claim = study.Claim("paper T1", "new is better", "base", "new", "clean")
+  lines, rows = study.claims_table(runs, "default", [claim],
+                                   {"base": "B", "new": "N"}, [0, 1, 2])
+  # d = 2, 1, 3 points: mean 2, std 1, se 0.577 -> 3.5 se.
+  assert rows[0]["diff"].mean == pytest.approx(2.0)
+  assert rows[0]["diff"].std == pytest.approx(1.0)
+  assert rows[0]["verdict"] == "reproduced"
+  assert lines[-1] == ("| paper T1 | new is better | B → N | clean accuracy "
+                       "% | +2.00 ± 1.00 (se 0.58) | reproduced |")
+
+
+def test_build_config_applies_candidate_and_regime():
+  candidate = study.Candidate(
+      "lm", "cosine_lm", "default",
+      overrides=(("model.moe.router", dict(name="cosine_lm",
+                                           num_selected=2)),))
+  config = study.build_config(candidate, 3, study.REGIMES["low_data"],
+                              quick=False)
+  assert config.seed == 3
+  assert config.model.moe.router.to_dict() == dict(name="cosine_lm",
+                                                  num_selected=2)
+  assert config.data.train_examples == 500
+  # The shared step reference moves the schedule with the run length.
+  assert (config.train.total_steps, config.optimizer.total_steps,
+          config.optimizer.warmup_steps) == (600, 600, 24)
+  assert config.robustness.num_examples == 500
+  assert [a["name"] for a in config.robustness.attacks] == ["fgsm", "pgd"]
+  assert config.robustness.attacks[1]["steps"] == 10
+  validate_config(config)
+  default = study.build_config(study.Candidate("b", "b", "default"), 0,
+                               study.REGIMES["default"], quick=False)
+  assert default.train.total_steps == 2500
+  assert default.data.get("train_examples") is None
+
+
+def test_plot_writes_a_png(tmp_path):
+  runs = {("default", k, s): RECORDS for k in ("a", "b") for s in (0, 1)}
+  path = study.plot(runs, "default",
+                    [study.Candidate("a", "A", "x"),
+                     study.Candidate("b", "B", "x")],
+                    ["clean", "fgsm"], [0, 1], str(tmp_path / "p.png"))
+  with open(path, "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
