@@ -342,8 +342,9 @@ def train_curve(records: list[dict]) -> tuple[list[int], list[float]]:
 
 def plot(runs: dict, regime: str, candidates: Sequence[Candidate],
          metrics: Sequence[str], seeds: Sequence[int], path: str) -> str:
-  """One PNG: a bar chart (mean ± std over seeds) per metric, and the
-  training-loss curves (mean over seeds) of every candidate."""
+  """One PNG: per metric, every seed's value (grey) and mean ± std over
+  seeds (blue) per candidate; and the training-loss curves (mean over
+  seeds) of every candidate."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
@@ -355,17 +356,17 @@ def plot(runs: dict, regime: str, candidates: Sequence[Candidate],
   axes = axes.ravel()
   keys = [c.key for c in candidates]
   for ax, m in zip(axes, metrics):
-    stats = [mean_std(values(runs, regime, k, m, seeds)) for k in keys]
-    ax.bar(range(len(keys)), [s[0] for s in stats],
-           yerr=[s[1] for s in stats], capsize=3, color="tab:blue")
-    finite = [s[0] for s in stats if math.isfinite(s[0])]
-    if finite:
-      span = max(finite) - min(finite)
-      pad = max(span, 1e-3 * max(1.0, abs(max(finite))))
-      ax.set_ylim(min(finite) - 1.5 * pad, max(finite) + 1.5 * pad)
+    for i, k in enumerate(keys):  # Each seed, then mean ± std.
+      seed_values = values(runs, regime, k, m, seeds)
+      ax.plot([i] * len(seed_values), seed_values, "o", color="0.6", ms=3)
+      mean, std = mean_std(seed_values)
+      ax.errorbar([i], [mean], yerr=[std], fmt="s", color="tab:blue",
+                  capsize=4, ms=6)
+    ax.set_xlim(-0.5, len(keys) - 0.5)
     ax.set_xticks(range(len(keys)), keys, rotation=40, ha="right",
                   fontsize=7)
     ax.set_title(METRICS[m].label, fontsize=9)
+    ax.grid(axis="y", alpha=0.3)
   ax = axes[len(metrics)]
   for c in candidates:
     curves = [train_curve(runs[regime, c.key, s]) for s in seeds]
