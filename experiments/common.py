@@ -4,6 +4,7 @@ and the robustness comparisons' config, figures and table."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 from typing import Any, Callable, Optional, Sequence
@@ -30,7 +31,10 @@ def parse_seeds_and_root(description: str,
 
 
 def mean_std(values: Sequence[float]) -> tuple[float, float]:
-  """Mean and sample standard deviation (0 for a single seed)."""
+  """Mean and sample standard deviation (0 for a single seed; NaN for both
+  if a value is missing)."""
+  if any(math.isnan(v) for v in values):
+    return float("nan"), float("nan")
   std = statistics.stdev(values) if len(values) > 1 else 0.0
   return statistics.mean(values), std
 

@@ -38,7 +38,7 @@ from typing import Any, Optional
 
 import jax
 
-from common import write_report
+from common import mean_std, write_report
 from vmoe_ext.app.schema import validate_config
 from vmoe_ext.app.train import train_and_evaluate
 from vmoe_ext.evaluate.final import after_training_hook
@@ -242,15 +242,6 @@ def run_grid(candidates: Sequence[Candidate], regimes: Sequence[Regime],
       train_run(*task)
   return {(r.name, c.key, s): read_metrics(run_dir(root, r, c, s))
           for r, c, s in grid}
-
-
-def mean_std(values: Sequence[float]) -> tuple[float, float]:
-  """Mean and sample standard deviation (0 for one value; NaN for both
-  if a value is missing)."""
-  if any(math.isnan(v) for v in values):
-    return float("nan"), float("nan")
-  std = statistics.stdev(values) if len(values) > 1 else 0.0
-  return statistics.mean(values), std
 
 
 @dataclasses.dataclass(frozen=True)
