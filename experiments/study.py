@@ -19,6 +19,11 @@ its mean m, sample std s and standard error se = s / sqrt(n). Verdict:
 two-sided 95% t-interval needs 4.3 se. The report prints m, s and se, so a
 reader can apply a stricter rule.)
 
+The standard error has a floor: the sampling error of the evaluation set
+(`sampling_se`: a percentage on n test images cannot resolve differences
+much below 100 sqrt(p (1 - p) / n)), so that a difference of a few images
+that happens to repeat on every seed does not count.
+
 Each run lives in ROOT/REGIME/KEY_SEED (a finished run is reused, an
 interrupted one resumed). `--quick` shrinks every budget (CI runs it so the
 scripts never rot); its numbers mean nothing.
@@ -52,10 +57,13 @@ MIN_SEEDS = 3  # Fewer seeds give no decisive verdict.
 @dataclasses.dataclass(frozen=True)
 class Metric:
   """One figure of a finished run: `extract(records) -> float`; `better`
-  is +1 where higher is better, -1 where lower is."""
+  is +1 where higher is better, -1 where lower is. A percentage measured on
+  a set of images names the metrics line whose `num_examples` counts them
+  (`examples_split`), for the sampling floor of `sampling_se`."""
   label: str
   better: int
   extract: Callable[[list[dict]], float]
+  examples_split: Optional[str] = None
 
 
 def _last(records: list[dict], split: str, key: str, scale: float = 1.0,
@@ -83,14 +91,17 @@ def _final_train_loss(records: list[dict]) -> float:
 
 METRICS: dict[str, Metric] = {
     "clean": Metric("clean accuracy %", +1,
-                    lambda r: _last(r, "test", "accuracy", 100, final=True)),
+                    lambda r: _last(r, "test", "accuracy", 100, final=True),
+                    "test"),
     "fgsm": Metric("FGSM accuracy %", +1,
-                   lambda r: _last(r, "adversarial/fgsm", "accuracy", 100)),
+                   lambda r: _last(r, "adversarial/fgsm", "accuracy", 100),
+                   "adversarial/fgsm"),
     "pgd": Metric("PGD accuracy %", +1,
-                  lambda r: _last(r, "adversarial/pgd", "accuracy", 100)),
+                  lambda r: _last(r, "adversarial/pgd", "accuracy", 100),
+                  "adversarial/pgd"),
     "mce": Metric("mean corruption error %", -1,
                   lambda r: _last(r, "corruption", "mean_corruption_error",
-                                  100)),
+                                  100), "corruption"),
     "load": Metric("load imbalance (std of expert %)", -1,
                    lambda r: _last(r, "routing", "load_balance_mean")),
     "instability": Metric("router instability", -1,
@@ -246,20 +257,39 @@ def run_grid(candidates: Sequence[Candidate], regimes: Sequence[Regime],
 
 @dataclasses.dataclass(frozen=True)
 class Paired:
-  """The paired difference candidate - baseline over seeds."""
+  """The paired difference candidate - baseline over seeds; `floor`: the
+  least standard error the evaluation set allows (`sampling_se`)."""
   mean: float
   std: float
   n: int
+  floor: float = 0.0
 
   @property
   def se(self) -> float:
-    return self.std / math.sqrt(self.n) if self.n > 1 else float("inf")
+    if self.n < 2:
+      return float("inf")
+    return max(self.std / math.sqrt(self.n), self.floor)
 
 
-def paired(baseline: Sequence[float], candidate: Sequence[float]) -> Paired:
+def paired(baseline: Sequence[float], candidate: Sequence[float],
+           floor: float = 0.0) -> Paired:
   diffs = [c - b for b, c in zip(baseline, candidate, strict=True)]
   m, s = mean_std(diffs)
-  return Paired(m, s, len(diffs))
+  return Paired(m, s, len(diffs), floor)
+
+
+def sampling_se(percent: float, examples: float, seeds: int) -> float:
+  """The standard error that measuring on a finite image set alone gives a
+  mean paired difference: a percentage p on n images has the binomial
+  std 100 sqrt(p (1 - p) / n) (p as a fraction); the difference of two,
+  averaged over `seeds` seeds, sqrt(2 / seeds) times that. With 3 seeds a
+  discrete metric can give the same difference on every seed (sample std
+  0, e.g. one image of 500 at 1% accuracy); this floor keeps such a
+  difference from counting as decisive."""
+  if not examples or math.isnan(examples) or math.isnan(percent):
+    return 0.0
+  p = min(max(percent / 100, 0.0), 1.0)
+  return 100 * math.sqrt(p * (1 - p) / examples) * math.sqrt(2 / seeds)
 
 
 def verdict(diff: Paired, better: int) -> str:
@@ -267,7 +297,7 @@ def verdict(diff: Paired, better: int) -> str:
   sign of the difference."""
   if diff.n < MIN_SEEDS or math.isnan(diff.mean):
     return "not at this scale"
-  if diff.std == 0.0:
+  if diff.se == 0.0:
     strong = diff.mean != 0.0
   else:
     strong = abs(diff.mean) >= 2 * diff.se
@@ -287,10 +317,15 @@ def results_table(runs: dict, regime: str, candidates: Sequence[Candidate],
   lines = ["| model | " + " | ".join(METRICS[m].label for m in metrics)
            + " |", "|---|" + "---|" * len(metrics)]
   for c in candidates:
-    cells = ["%.2f ± %.2f" % mean_std(values(runs, regime, c.key, m, seeds))
-             for m in metrics]
+    cells = ["{} ± {}".format(*map(_num, mean_std(
+        values(runs, regime, c.key, m, seeds)))) for m in metrics]
     lines.append(f"| {c.label} | " + " | ".join(cells) + " |")
   return lines
+
+
+def _num(x: float, sign: str = "") -> str:
+  """Two decimals, or two significant digits below 0.1 (small metrics)."""
+  return f"{x:{sign}.2f}" if abs(x) >= 0.1 or x == 0 else f"{x:{sign}.2g}"
 
 
 def claims_table(runs: dict, regime: str, claims: Sequence[Claim],
@@ -304,14 +339,24 @@ def claims_table(runs: dict, regime: str, claims: Sequence[Claim],
   rows = []
   for claim in claims:
     metric = METRICS[claim.metric]
-    diff = paired(values(runs, regime, claim.baseline, claim.metric, seeds),
-                  values(runs, regime, claim.candidate, claim.metric, seeds))
+    base = values(runs, regime, claim.baseline, claim.metric, seeds)
+    cand = values(runs, regime, claim.candidate, claim.metric, seeds)
+    floor = 0.0
+    if metric.examples_split is not None:
+      counts = [_last(runs[regime, k, s], metric.examples_split,
+                      "num_examples") for k in (claim.baseline,
+                                                claim.candidate)
+                for s in seeds]
+      floor = sampling_se(statistics.mean(base + cand), min(counts),
+                          len(seeds))
+    diff = paired(base, cand, floor)
     v = verdict(diff, metric.better)
     rows.append(dict(claim=claim, diff=diff, verdict=v))
     lines.append(
         f"| {claim.source} | {claim.statement} | {labels[claim.baseline]} → "
-        f"{labels[claim.candidate]} | {metric.label} | {diff.mean:+.2f} ± "
-        f"{diff.std:.2f} (se {diff.se:.2f}) | {v} |")
+        f"{labels[claim.candidate]} | {metric.label} | "
+        f"{_num(diff.mean, '+')} ± {_num(diff.std)} (se {_num(diff.se)}) | "
+        f"{v} |")
   return lines, rows
 
 

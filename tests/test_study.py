@@ -45,6 +45,37 @@ def test_verdict_rule(diffs, better, expected):
   assert study.verdict(diff, better) == expected
 
 
+def test_sampling_floor_hand_case():
+  # p = 1% on 500 images: binomial std 100 sqrt(0.01 * 0.99 / 500) = 0.445
+  # points; a difference of two averaged over 3 seeds: x sqrt(2 / 3).
+  floor = study.sampling_se(1.0, 500, 3)
+  assert floor == pytest.approx(0.44497 * math.sqrt(2 / 3), rel=1e-4)
+  # One image of 500 on every seed: std 0, but below 2 floors.
+  diff = study.paired([1.0] * 3, [1.2] * 3, floor)
+  assert diff.se == pytest.approx(floor)
+  assert study.verdict(diff, +1) == "not at this scale"
+  # A seed spread larger than the floor wins.
+  assert study.paired([0.0, 0.0, 0.0], [1.0, 3.0, 5.0], floor).se == (
+      pytest.approx(2 / math.sqrt(3)))
+  assert study.sampling_se(50.0, float("nan"), 3) == 0.0
+
+
+def test_claims_table_applies_the_floor_from_num_examples():
+  runs = {}
+  for seed in range(3):
+    for key, acc in (("base", 0.010), ("new", 0.012)):
+      runs["default", key, seed] = [
+          {"step": 1, "split": "adversarial/pgd", "accuracy": acc,
+           "num_examples": 500.0}]
+  claim = study.Claim("p", "s", "base", "new", "pgd")
+  _, rows = study.claims_table(runs, "default", [claim],
+                               {"base": "B", "new": "N"}, [0, 1, 2])
+  assert rows[0]["diff"].std == pytest.approx(0.0, abs=1e-9)
+  assert rows[0]["diff"].floor == pytest.approx(
+      study.sampling_se(1.1, 500, 3))
+  assert rows[0]["verdict"] == "not at this scale"
+
+
 RECORDS = [
     {"step": 10, "split": "train", "loss": 2.0},
     {"step": 20, "split": "train", "loss": 1.0},
