@@ -324,7 +324,9 @@ def results_table(runs: dict, regime: str, candidates: Sequence[Candidate],
 
 
 def _num(x: float, sign: str = "") -> str:
-  """Two decimals, or two significant digits below 0.1 (small metrics)."""
+  """Two decimals, or two significant digits below 0.1 (small metrics);
+  float rounding (|x| < 1e-9) prints as 0."""
+  x = 0.0 if abs(x) < 1e-9 else x
   return f"{x:{sign}.2f}" if abs(x) >= 0.1 or x == 0 else f"{x:{sign}.2g}"
 
 
