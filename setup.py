@@ -47,6 +47,9 @@ setup(
         "dev": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100",
                 "tensorflow-datasets>=4.9.10", "pillow>=10", "grain>=0.2.18",
                 # FGSM/PGD oracle of tests/test_attacks.py.
-                "foolbox>=3.3.4"],
+                "foolbox>=3.3.4",
+                # colab/execute.py runs the notebooks in a Jupyter kernel;
+                # tests/test_notebooks.py validates them.
+                "nbclient>=0.10", "nbformat>=5.10", "ipykernel>=6.29"],
     },
 )
