@@ -63,9 +63,7 @@ def main(argv=None):
   return run_experiment(
       "ACMoE ablations on the V-MoE (MNIST-5k)",
       ["ACMoE's `paper` preset on block 3 of the default V-MoE with one "
-       "ablation each, all other hyper-parameters shared; FGSM / PGD-10 at "
-       "eps 0.05 and the corruption suite on 500 test images, clean "
-       "accuracy on all 1,000."],
+       "ablation each, all other hyper-parameters shared."],
       CANDIDATES, CLAIMS, METRICS, args, "acmoe_ablations", QUICK)
 
 

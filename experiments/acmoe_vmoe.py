@@ -75,8 +75,7 @@ def main(argv=None):
   return run_experiment(
       "ACMoE on the V-MoE (MNIST-5k): presets vs base routers",
       ["ACMoE's presets swapped into the default V-MoE, all other "
-       "hyper-parameters shared; FGSM / PGD-10 at eps 0.05 and the "
-       "corruption suite on 500 test images, clean accuracy on all 1,000."
+       "hyper-parameters shared."
        " The metrics of block 3 (the AC layer) are averaged with block 1's "
        "where a metric is per layer."],
       CANDIDATES, CLAIMS, METRICS, args, "acmoe_vmoe",

@@ -52,8 +52,7 @@ def main(argv=None):
   return run_experiment(
       "Routers on the SoftMoE (MNIST-5k)",
       ["The SoftMoE ViT with each router that applies to it, all other "
-       "hyper-parameters shared; FGSM / PGD-10 at eps 0.05 and the "
-       "corruption suite on 500 test images, clean accuracy on all 1,000."],
+       "hyper-parameters shared."],
       CANDIDATES, CLAIMS, METRICS, args, "routers_softmoe", QUICK)
 
 

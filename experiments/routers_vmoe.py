@@ -66,8 +66,7 @@ def main(argv=None):
   return run_experiment(
       "Routers on the V-MoE (MNIST-5k): XMoE, top-p, Symphony",
       ["Every router swapped into the default V-MoE, all other "
-       "hyper-parameters shared; FGSM / PGD-10 at eps 0.05 and the "
-       "corruption suite on 500 test images, clean accuracy on all 1,000."],
+       "hyper-parameters shared."],
       CANDIDATES, CLAIMS, METRICS, args, "routers_vmoe",
       QUICK)
 

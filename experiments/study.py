@@ -43,13 +43,14 @@ from typing import Any, Optional
 
 import jax
 
-from common import mean_std, write_report
+from common import config_for, mean_std, write_report
 from vmoe_ext.app.schema import validate_config
 from vmoe_ext.app.train import train_and_evaluate
 from vmoe_ext.evaluate.final import after_training_hook
 from vmoe_ext.reporting.writers import read_metrics
-from vmoe_ext.train.config_files import load_config
 
+EVALUATION = ("FGSM / PGD-10 at eps 0.05 and the corruption suite on 500 "
+              "test images, clean accuracy on all 1,000.")
 VERDICTS = ("reproduced", "not at this scale", "contradicted")
 MIN_SEEDS = 3  # Fewer seeds give no decisive verdict.
 
@@ -164,19 +165,16 @@ class Claim:
 
 def build_config(candidate: Candidate, seed: int, regime: Regime,
                  quick: bool):
-  """The candidate's config for one seed and regime, with the shared
-  robustness section: FGSM and 10-step PGD (random start) at eps 0.05 and
-  the 15 corruptions at severities 1-5 on 500 test images (quick: 2 PGD
-  steps, severity 3, 32 images); the routing analysis without its t-SNE
-  figure."""
-  config = load_config(candidate.config, candidate.arg)
+  """The candidate's config for one seed and regime, with the robustness
+  section of `common.config_for` (`EVALUATION`; quick: 2 PGD steps,
+  severity 3, 32 images); the routing analysis without its t-SNE figure."""
+  config = config_for(candidate.config, seed, candidate.arg)
   for field, value in candidate.overrides:
     *parents, leaf = field.split(".")
     node = config
     for name in parents:
       node = node[name]
     node[leaf] = value
-  config.seed = seed
   if regime.train_examples is not None:
     config.data.train_examples = regime.train_examples
   if regime.total_steps is not None:
@@ -185,15 +183,12 @@ def build_config(candidate: Candidate, seed: int, regime: Regime,
     config.train.checkpoint_every = regime.total_steps
     config.train.log_every = max(1, min(config.train.log_every,
                                         regime.total_steps // 10))
-  robustness = config.robustness
-  robustness.num_examples = 32 if quick else 500
-  robustness.attacks = (
-      dict(name="fgsm", eps=0.05),
-      dict(name="pgd", eps=0.05, steps=2 if quick else 10,
-           step_size=0.0125, random_start=True))
-  robustness.sweep = None
-  robustness.corruptions = dict(names=None,
-                                severities=(3,) if quick else (1, 2, 3, 4, 5))
+  if quick:
+    config.robustness.num_examples = 32
+    config.robustness.attacks = tuple(
+        dict(a, steps=2) if a["name"] == "pgd" else dict(a)
+        for a in config.robustness.attacks)
+    config.robustness.corruptions["severities"] = (3,)
   config.data.analysis_tsne_tokens = 0  # No t-SNE figure (3 s a layer).
   return config
 
@@ -467,7 +462,7 @@ def run_experiment(title: str, intro: Sequence[str],
   runs = run_grid(candidates, regimes, args.seeds, args.root, args.quick,
                   args.jobs)
   labels = {c.key: c.label for c in candidates}
-  lines = [f"# {title}", ""] + list(intro) + [
+  lines = [f"# {title}", ""] + list(intro) + [EVALUATION] + [
       "", f"Seeds {list(args.seeds)}; mean ± std (sample std) over seeds; "
       "verdicts from the paired difference over seeds (reproduced / "
       "contradicted: |mean| >= 2 standard errors in / against the claimed "

@@ -68,9 +68,7 @@ def main(argv=None):
   return run_experiment(
       "Symphony ablations on the V-MoE (MNIST-5k)",
       ["The Symphony router over the default V-MoE's noisy top-2 with one "
-       "ablation each, all other hyper-parameters shared; FGSM / PGD-10 at "
-       "eps 0.05 and the corruption suite on 500 test images, clean "
-       "accuracy on all 1,000."],
+       "ablation each, all other hyper-parameters shared."],
       CANDIDATES, CLAIMS, METRICS, args, "symphony_ablations", QUICK)
 
 

@@ -67,10 +67,9 @@ def main(argv=None):
   return run_experiment(
       "Symphony vs the number of experts on the V-MoE (MNIST-5k)",
       ["The default V-MoE with E = 4 / 16 / 32 experts (top-2 / 2 / 4), "
-       "with and without Symphony, all other hyper-parameters shared; "
-       "FGSM / PGD-10 at eps 0.05 and the corruption suite on 500 test "
-       "images, clean accuracy on all 1,000. The paired difference of "
-       "interest is Symphony minus its base at each size."],
+       "with and without Symphony, all other hyper-parameters shared. The "
+       "paired difference of interest is Symphony minus its base at each "
+       "size."],
       CANDIDATES, CLAIMS, METRICS, args, "symphony_experts", QUICK)
 
 
