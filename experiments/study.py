@@ -15,6 +15,11 @@ its mean m, sample std s and standard error se = s / sqrt(n). Verdict:
   (`MIN_SEEDS`: with two, a discrete metric ties often enough to give
   std 0).
 
+A claim of no effect ("robust to the choice of mu") names a `margin` M
+fixed before the runs, and is judged as an equivalence test: reproduced
+when the whole interval m ± 2 se lies within ±M; contradicted when it lies
+wholly outside (|m| - 2 se > M); otherwise not at this scale.
+
 (2 se is a screening threshold, not a significance test: with 3 seeds a
 two-sided 95% t-interval needs 4.3 se. The report prints m, s and se, so a
 reader can apply a stricter rule.)
@@ -155,12 +160,15 @@ QUICK_REGIMES = {
 @dataclasses.dataclass(frozen=True)
 class Claim:
   """A paper's claim that `candidate` beats `baseline` on `metric` (in the
-  metric's `better` direction)."""
+  metric's `better` direction); with `margin`, the claim that the two do
+  not differ by more than `margin` (in the metric's units) instead, e.g.
+  "robust to the choice of mu"."""
   source: str
   statement: str
   baseline: str
   candidate: str
   metric: str
+  margin: Optional[float] = None
 
 
 def build_config(candidate: Candidate, seed: int, regime: Regime,
@@ -287,10 +295,17 @@ def sampling_se(percent: float, examples: float, seeds: int) -> float:
   return 100 * math.sqrt(p * (1 - p) / examples) * math.sqrt(2 / seeds)
 
 
-def verdict(diff: Paired, better: int) -> str:
+def verdict(diff: Paired, better: int, margin: Optional[float] = None
+            ) -> str:
   """The rule of the module docstring; `better` = +1 / -1 is the claimed
-  sign of the difference."""
+  sign of the difference; with `margin`, the equivalence rule."""
   if diff.n < MIN_SEEDS or math.isnan(diff.mean):
+    return "not at this scale"
+  if margin is not None:
+    if abs(diff.mean) + 2 * diff.se <= margin:
+      return "reproduced"
+    if abs(diff.mean) - 2 * diff.se > margin:
+      return "contradicted"
     return "not at this scale"
   if diff.se == 0.0:
     strong = diff.mean != 0.0
@@ -347,10 +362,15 @@ def claims_table(runs: dict, regime: str, claims: Sequence[Claim],
       floor = sampling_se(statistics.mean(base + cand), min(counts),
                           len(seeds))
     diff = paired(base, cand, floor)
-    v = verdict(diff, metric.better)
+    v = verdict(diff, metric.better, claim.margin)
     rows.append(dict(claim=claim, diff=diff, verdict=v))
+    if claim.margin is not None:  # "\\|" keeps the table's columns.
+      statement = (f"{claim.statement} (\\|difference\\| <= "
+                   f"{claim.margin:g})")
+    else:
+      statement = claim.statement
     lines.append(
-        f"| {claim.source} | {claim.statement} | {labels[claim.baseline]} → "
+        f"| {claim.source} | {statement} | {labels[claim.baseline]} → "
         f"{labels[claim.candidate]} | {metric.label} | "
         f"{_num(diff.mean, '+')} ± {_num(diff.std)} (se {_num(diff.se)}) | "
         f"{v} |")

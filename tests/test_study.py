@@ -45,6 +45,36 @@ def test_verdict_rule(diffs, better, expected):
   assert study.verdict(diff, better) == expected
 
 
+@pytest.mark.parametrize("diffs, expected", [
+    # mean 0.1, std 0.1, se 0.0577: |m| + 2 se = 0.215 <= 0.5.
+    ([0.0, 0.1, 0.2], "reproduced"),
+    # mean 0.4, std 0.1: 0.4 + 0.115 = 0.515 > 0.5 and 0.4 - 0.115 < 0.5.
+    ([0.3, 0.4, 0.5], "not at this scale"),
+    # mean -1.0, std 0.1: |m| - 2 se = 0.885 > 0.5, whichever the sign.
+    ([-0.9, -1.0, -1.1], "contradicted"),
+    # mean 0.0 but se 0.577: the interval ±1.15 is wider than the margin.
+    ([-1.0, 0.0, 1.0], "not at this scale"),
+    ([0.0, 0.0], "not at this scale"),             # < 3 seeds: no verdict
+])
+def test_verdict_equivalence_rule(diffs, expected):
+  diff = study.paired([0.0] * len(diffs), diffs)
+  for better in (+1, -1):  # The claimed direction plays no part.
+    assert study.verdict(diff, better, margin=0.5) == expected
+
+
+def test_claims_table_marks_an_equivalence_claim():
+  records = {s: [dict(split="routing", load_balance_mean=v)]
+             for s, v in enumerate((1.0, 2.0, 3.0))}
+  runs = {("r", "a", s): records[s] for s in range(3)}
+  runs.update({("r", "b", s): records[s] for s in range(3)})
+  claim = study.Claim("src", "a equals b", "a", "b", "load", margin=0.1)
+  lines, rows = study.claims_table(runs, "r", [claim],
+                                   dict(a="A", b="B"), [0, 1, 2])
+  assert rows[0]["verdict"] == "reproduced"  # d = 0 on every seed.
+  assert "(\\|difference\\| <= 0.1)" in lines[-1]
+  assert lines[-1].count(" | ") == 5  # Six columns: the pipes escaped.
+
+
 def test_sampling_floor_hand_case():
   # p = 1% on 500 images: binomial std 100 sqrt(0.01 * 0.99 / 500) = 0.445
   # points; a difference of two averaged over 3 seeds: x sqrt(2 / 3).
