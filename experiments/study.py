@@ -464,11 +464,12 @@ def parse_args(description: str, argv: Optional[Sequence[str]] = None,
 def run_experiment(title: str, intro: Sequence[str],
                    candidates: Sequence[Candidate], claims: Sequence[Claim],
                    metrics: Sequence[str], args: argparse.Namespace,
-                   name: str, quick_keys: Sequence[str] = ()
-                   ) -> tuple[str, dict]:
+                   name: str, quick_keys: Sequence[str] = (),
+                   evaluation: str = EVALUATION) -> tuple[str, dict]:
   """Trains the grid, writes ROOT/NAME.md (a section per regime: results,
   claims with verdicts, per-seed values) and ROOT/NAME_REGIME.png; returns
-  the report and `{regime: claim rows}`. `--quick` checks every
+  the report and `{regime: claim rows}`. `evaluation` states how each
+  run is evaluated (default: `EVALUATION`). `--quick` checks every
   candidate's config (`validate_config`: nothing compiles) and trains only
   `quick_keys`; claims between candidates not trained are left out."""
   regimes = [(QUICK_REGIMES if args.quick else REGIMES)[r]
@@ -482,7 +483,7 @@ def run_experiment(title: str, intro: Sequence[str],
   runs = run_grid(candidates, regimes, args.seeds, args.root, args.quick,
                   args.jobs)
   labels = {c.key: c.label for c in candidates}
-  lines = [f"# {title}", ""] + list(intro) + [EVALUATION] + [
+  lines = [f"# {title}", ""] + list(intro) + [evaluation] + [
       "", f"Seeds {list(args.seeds)}; mean ± std (sample std) over seeds; "
       "verdicts from the paired difference over seeds (reproduced / "
       "contradicted: |mean| >= 2 standard errors in / against the claimed "
