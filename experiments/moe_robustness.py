@@ -339,12 +339,7 @@ def plot_eps(runs: dict, regime: str, candidates: Sequence[Candidate],
   for ax in (acc_ax, rc_ax):
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-  fig.suptitle(f"regime: {regime}; seeds {list(seeds)}", fontsize=10)
-  fig.tight_layout()
-  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return path
+  return study.save_figure(fig, regime, seeds, path)
 
 
 def main(argv: Sequence[str] | None = None) -> tuple[str, dict]:

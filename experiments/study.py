@@ -433,6 +433,13 @@ def plot(runs: dict, regime: str, candidates: Sequence[Candidate],
   ax.legend(fontsize=6)
   for ax in axes[panels:]:
     ax.axis("off")
+  return save_figure(fig, regime, seeds, path)
+
+
+def save_figure(fig, regime: str, seeds: Sequence[int], path: str) -> str:
+  """Titles `fig` with the regime and seeds, writes it to `path` (PNG),
+  closes it and returns `path`."""
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   fig.suptitle(f"regime: {regime}; seeds {list(seeds)}", fontsize=10)
   fig.tight_layout()
   os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
