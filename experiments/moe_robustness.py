@@ -11,9 +11,9 @@ hyper-parameter shared, nothing tuned:
 * `dense`: `configs/vit_dense.py`, blocks 1 and 3 one always-selected MLP of
   width K·H = 256: the V-MoE's FLOPs per image up to the router and the
   capacity padding (the intro of the report prints both, computed);
-* `vmoe_k2`: the default V-MoE, E = 4, K = 2 (`noisy_topk`'s training
-  config: where ROOT holds finished `noisy_topk` runs, their last
-  checkpoint and record are copied and only the evaluation runs);
+* `vmoe_k2`: the default V-MoE, E = 4, K = 2: `noisy_topk`'s training
+  config (`acmoe_vmoe.py`), so where ROOT holds finished `noisy_topk` runs
+  they are evaluated again instead of retrained (`trained_as`);
 * `vmoe_k1`: the same with K = 1 (half the expert FLOPs);
 * `vmoe_e8`: E = 8, K = 2 (the FLOPs of E = 4, twice the expert parameters);
 * `dense_wide`: the dense model with width E·H = 512 in blocks 1 and 3: the
@@ -31,13 +31,13 @@ ROOT/moe_robustness.md, ROOT/moe_robustness_{regime}.png and
 ROOT/moe_robustness_eps_{regime}.png. About 42 minutes on the 2-core CPU
 with `--jobs 2` when `noisy_topk`'s runs are reused (4 models x 3 seeds x 2
 regimes trained: 12 x (~200 s + ~67 s) alone / 1.35 for two at a time),
-~52 without; `--quick` trains `dense` and `vmoe_k2` and reuses nothing.
+~52 without; `--quick` runs `dense` and `vmoe_k2` (the latter from
+`acmoe_vmoe.py --quick`'s `noisy_topk` where ROOT has it).
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import statistics
 from collections.abc import Sequence
 from typing import Any
@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 
 import study
+import verdicts
 from common import mean_std
 from study import Candidate, Claim, Metric, parse_args, run_experiment
 from vmoe_ext.data import load_mnist5k
@@ -66,6 +67,8 @@ EXPERT_WIDTH, NUM_EXPERTS = 128, 4  # The default V-MoE's H and E.
 AUC_MARGIN, CLEAN_MARGIN = 5.0, 1.0
 
 _MOE = "model.moe"
+# acmoe_vmoe.py's baseline (its run directories are ROOT/REGIME/noisy_topk_SEED).
+NOISY_TOPK = Candidate("noisy_topk", "V-MoE noisy top-2", "default")
 
 
 def make_candidates(pgd_steps: int = 10) -> tuple[Candidate, ...]:
@@ -84,7 +87,7 @@ def make_candidates(pgd_steps: int = 10) -> tuple[Candidate, ...]:
                 overrides=((f"{_MOE}.router.num_selected", 1),)
                 + evaluation),
       Candidate("vmoe_k2", "V-MoE E=4, K=2 (default)", "default",
-                overrides=evaluation),
+                overrides=evaluation, trained_as=NOISY_TOPK),
       Candidate("vmoe_e8", "V-MoE E=8, K=2", "default",
                 overrides=((f"{_MOE}.num_experts", 8),) + evaluation),
       Candidate("dense_wide", "dense ViT (width 512, equal params)",
@@ -97,7 +100,6 @@ def make_candidates(pgd_steps: int = 10) -> tuple[Candidate, ...]:
 CANDIDATES = make_candidates()
 QUICK_PGD_STEPS = 2  # study.build_config's quick PGD.
 QUICK = ("dense", "vmoe_k2")
-REUSED = {"vmoe_k2": "noisy_topk"}  # Same training config, other evaluation.
 
 
 def pgd_points(records: list[dict]) -> dict[float, dict]:
@@ -240,34 +242,6 @@ def cost_lines(costs: dict[str, dict[str, float]],
   return lines
 
 
-def reuse_finished(root: str, regimes: Sequence[str], seeds: Sequence[int]
-                   ) -> list[str]:
-  """For each key of `REUSED` whose run has not started: copies the metrics
-  record and last checkpoint of the finished run with the same training
-  config (`noisy_topk`, e.g. `acmoe_vmoe.py`'s); the study then resumes at
-  the last step, so only the final evaluation (with the sweep) runs.
-  Returns the workdirs so seeded."""
-  seeded = []
-  for regime in regimes:
-    for key, source in REUSED.items():
-      for seed in seeds:
-        src = os.path.join(root, regime, f"{source}_{seed}")
-        dst = os.path.join(root, regime, f"{key}_{seed}")
-        ckpts = os.path.join(src, "checkpoints")
-        if (not study.finished(src) or os.path.exists(dst)
-            or not os.path.isdir(ckpts)):
-          continue
-        steps = [int(s) for s in os.listdir(ckpts) if s.isdigit()]
-        if not steps:
-          continue
-        last = str(max(steps))
-        shutil.copytree(os.path.join(ckpts, last),
-                        os.path.join(dst, "checkpoints", last))
-        shutil.copy(os.path.join(src, "metrics.jsonl"), dst)
-        seeded.append(dst)
-  return seeded
-
-
 def _cells(values: Sequence[float]) -> str:
   return "{:.1f} ± {:.1f}".format(*mean_std(values))
 
@@ -299,12 +273,12 @@ def eps_section(runs: dict, regime: str, candidates: Sequence[Candidate],
           + " |")
     low = [routing_at(r, EPS[1]) for r in records]
     high = [routing_at(r, EPS[-1]) for r in records]
-    diff = study.paired(low, high)
+    diff = verdicts.paired(low, high)
     claims.append(
         f"| {_PAPER}: routing changes more as eps grows | {c.label} | "
         f"{_cells(low)} → {_cells(high)} | {diff.mean:+.2f} ± "
         f"{diff.std:.2f} (se {diff.se:.2f}) | "
-        f"{study.verdict(diff, +1)} |")
+        f"{verdicts.verdict(diff, +1)} |")
   return lines + claims + ["", f"![eps curves]({os.path.basename(png)})",
                            ""]
 
@@ -352,8 +326,6 @@ def main(argv: Sequence[str] | None = None) -> tuple[str, dict]:
              for c in candidates}
   costs = {k: model_cost(cfg) for k, cfg in configs.items()}
   moe = [k for k, cfg in configs.items() if cfg.model.moe.num_experts > 1]
-  seeded = ([] if args.quick
-            else reuse_finished(args.root, args.regimes, args.seeds))
   intro = [
       "The paper's claims at small scale (we only hold its appendix; the "
       "main-text claims are worded as we read them): at equal FLOPs per "
@@ -368,26 +340,23 @@ def main(argv: Sequence[str] | None = None) -> tuple[str, dict]:
       " on the same 500 test images, step eps / 4 (the sweep's "
       "`step_size=None`: 2.5 eps / 10); eps 0 is their clean accuracy. "
       "The corruption suite is cut to Gaussian noise (a random-noise "
-      "control). `vmoe_k2` has `noisy_topk`'s training config"
-      + (f"; {len(seeded)} of its runs resume `noisy_topk`'s finished "
-         "checkpoints (evaluation only)." if seeded else "."), ""]
-  report, verdicts = run_experiment(
+      "control).", ""]
+
+  def eps_sections(runs: dict, regimes: Sequence[study.Regime],
+                   trained: Sequence[Candidate]) -> list[str]:
+    lines = ["## Accuracy and routing change vs eps", ""]
+    for regime in regimes:
+      png = plot_eps(runs, regime.name, trained, moe, args.seeds,
+                     os.path.join(args.root, f"{NAME}_eps_{regime.name}.png"))
+      lines += eps_section(runs, regime.name, trained, moe, args.seeds, png)
+    return lines
+
+  return run_experiment(
       "Adversarial robustness of the V-MoE vs dense ViTs (MNIST-5k)", intro,
       candidates, CLAIMS, METRICS, args, NAME, QUICK,
       evaluation="FGSM / PGD-10 at eps 0.05, the PGD sweep and Gaussian "
-      "noise on 500 test images, clean accuracy on all 1,000.")
-  trained = [c for c in candidates if not args.quick or c.key in QUICK]
-  runs = study.run_grid(trained, regimes, args.seeds, args.root, args.quick)
-  extra = ["## Accuracy and routing change vs eps", ""]
-  for regime in regimes:
-    png = plot_eps(runs, regime.name, trained, moe, args.seeds,
-                   os.path.join(args.root, f"{NAME}_eps_{regime.name}.png"))
-    extra += eps_section(runs, regime.name, trained, moe, args.seeds, png)
-  text = "\n".join(extra) + "\n"
-  with open(os.path.join(args.root, f"{NAME}.md"), "a") as f:
-    f.write(text)
-  print(text)
-  return report + text, verdicts
+      "noise on 500 test images, clean accuracy on all 1,000.",
+      sections=eps_sections)
 
 
 if __name__ == "__main__":

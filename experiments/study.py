@@ -6,28 +6,8 @@ binary's after-training hook (the robustness section of
 `common.config_for`), and judges `Claim`s: a paper's statement that
 candidate B beats candidate A on a metric. Runs of one seed share the data
 order and, where the shapes agree, the initial weights, so the comparison is
-paired: per seed the difference d_s = metric(B) - metric(A); over n seeds
-its mean m, sample std s and standard error se = s / sqrt(n). Verdict:
-
-* "reproduced": m has the claimed sign and |m| >= 2 se;
-* "contradicted": m has the other sign and |m| >= 2 se;
-* "not at this scale": |m| < 2 se (within noise), or fewer than 3 seeds
-  (`MIN_SEEDS`: with two, a discrete metric ties often enough to give
-  std 0).
-
-A claim of no effect ("robust to the choice of mu") names a `margin` M
-fixed before the runs, and is judged as an equivalence test: reproduced
-when the whole interval m ± 2 se lies within ±M; contradicted when it lies
-wholly outside (|m| - 2 se > M); otherwise not at this scale.
-
-(2 se is a screening threshold, not a significance test: with 3 seeds a
-two-sided 95% t-interval needs 4.3 se. The report prints m, s and se, so a
-reader can apply a stricter rule.)
-
-The standard error has a floor: the sampling error of the evaluation set
-(`sampling_se`: a percentage on n test images cannot resolve differences
-much below 100 sqrt(p (1 - p) / n)), so that a difference of a few images
-that happens to repeat on every seed does not count.
+paired: per seed the difference d_s = metric(B) - metric(A), judged by
+`verdicts` (reproduced / not at this scale / contradicted).
 
 Each run lives in ROOT/REGIME/KEY_SEED (a finished run is reused, an
 interrupted one resumed). `--quick` shrinks every budget (CI runs it so the
@@ -39,7 +19,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
-import math
 import multiprocessing
 import os
 import statistics
@@ -48,7 +27,9 @@ from typing import Any, Optional
 
 import jax
 
+import evaluate_only
 from common import config_for, mean_std, write_report
+from verdicts import paired, sampling_se, verdict
 from vmoe_ext.app.schema import validate_config
 from vmoe_ext.app.train import train_and_evaluate
 from vmoe_ext.evaluate.final import after_training_hook
@@ -56,8 +37,6 @@ from vmoe_ext.reporting.writers import read_metrics
 
 EVALUATION = ("FGSM / PGD-10 at eps 0.05 and the corruption suite on 500 "
               "test images, clean accuracy on all 1,000.")
-VERDICTS = ("reproduced", "not at this scale", "contradicted")
-MIN_SEEDS = 3  # Fewer seeds give no decisive verdict.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +109,10 @@ class Candidate:
   config: str
   arg: Optional[str] = None
   overrides: tuple[tuple[str, Any], ...] = ()
+  # A candidate with the same training config, this one changing only the
+  # evaluation: its finished runs are evaluated again instead of retrained
+  # (`evaluate_only`).
+  trained_as: Optional["Candidate"] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,6 +206,39 @@ def train_run(candidate: Candidate, seed: int, regime: Regime, quick: bool,
                      after_training=after_training_hook(config, workdir))
 
 
+def seed_evaluate_only(grid: Sequence[tuple[Regime, Candidate, int]],
+                       root: str, quick: bool) -> None:
+  """Seeds each not yet started run of a candidate with `trained_as` from
+  that candidate's finished run (same regime and seed) where ROOT has one,
+  after checking that the two training configs agree."""
+  for regime, candidate, seed in grid:
+    source = candidate.trained_as
+    if source is None:
+      continue
+    evaluate_only.check_same_training(
+        candidate.key, build_config(candidate, seed, regime, quick),
+        source.key, build_config(source, seed, regime, quick))
+    evaluate_only.seed_from(run_dir(root, regime, source, seed),
+                            run_dir(root, regime, candidate, seed))
+
+
+def reuse_lines(root: str, regimes: Sequence[Regime],
+                candidates: Sequence[Candidate], seeds: Sequence[int]
+                ) -> list[str]:
+  """The report's sentence per candidate whose runs were seeded from
+  another's training (read from the runs' markers)."""
+  lines = []
+  for c in candidates:
+    seeded = [f"{r.name} seed {s}" for r in regimes for s in seeds
+              if evaluate_only.seeded_from(run_dir(root, r, c, s))]
+    if seeded:
+      lines.append(f"`{c.key}` has `{c.trained_as.key}`'s training config "
+                   f"and only another evaluation: {len(seeded)} of its runs "
+                   f"({', '.join(seeded)}) resumed `{c.trained_as.key}`'s "
+                   "finished last checkpoint and ran only the evaluation.")
+  return lines + [""] if lines else []
+
+
 def run_grid(candidates: Sequence[Candidate], regimes: Sequence[Regime],
              seeds: Sequence[int], root: str, quick: bool, jobs: int = 1
              ) -> dict:
@@ -232,6 +248,7 @@ def run_grid(candidates: Sequence[Candidate], regimes: Sequence[Regime],
   of one)."""
   grid = [(regime, candidate, seed) for regime in regimes
           for candidate in candidates for seed in seeds]
+  seed_evaluate_only(grid, root, quick)
   todo = [(c, s, r, quick, run_dir(root, r, c, s)) for r, c, s in grid
           if not finished(run_dir(root, r, c, s))]
   if todo:
@@ -256,64 +273,6 @@ def run_grid(candidates: Sequence[Candidate], regimes: Sequence[Regime],
       train_run(*task)
   return {(r.name, c.key, s): read_metrics(run_dir(root, r, c, s))
           for r, c, s in grid}
-
-
-@dataclasses.dataclass(frozen=True)
-class Paired:
-  """The paired difference candidate - baseline over seeds; `floor`: the
-  least standard error the evaluation set allows (`sampling_se`)."""
-  mean: float
-  std: float
-  n: int
-  floor: float = 0.0
-
-  @property
-  def se(self) -> float:
-    if self.n < 2:
-      return float("inf")
-    return max(self.std / math.sqrt(self.n), self.floor)
-
-
-def paired(baseline: Sequence[float], candidate: Sequence[float],
-           floor: float = 0.0) -> Paired:
-  diffs = [c - b for b, c in zip(baseline, candidate, strict=True)]
-  m, s = mean_std(diffs)
-  return Paired(m, s, len(diffs), floor)
-
-
-def sampling_se(percent: float, examples: float, seeds: int) -> float:
-  """The standard error that measuring on a finite image set alone gives a
-  mean paired difference: a percentage p on n images has the binomial
-  std 100 sqrt(p (1 - p) / n) (p as a fraction); the difference of two,
-  averaged over `seeds` seeds, sqrt(2 / seeds) times that. With 3 seeds a
-  discrete metric can give the same difference on every seed (sample std
-  0, e.g. one image of 500 at 1% accuracy); this floor keeps such a
-  difference from counting as decisive."""
-  if not examples or math.isnan(examples) or math.isnan(percent):
-    return 0.0
-  p = min(max(percent / 100, 0.0), 1.0)
-  return 100 * math.sqrt(p * (1 - p) / examples) * math.sqrt(2 / seeds)
-
-
-def verdict(diff: Paired, better: int, margin: Optional[float] = None
-            ) -> str:
-  """The rule of the module docstring; `better` = +1 / -1 is the claimed
-  sign of the difference; with `margin`, the equivalence rule."""
-  if diff.n < MIN_SEEDS or math.isnan(diff.mean):
-    return "not at this scale"
-  if margin is not None:
-    if abs(diff.mean) + 2 * diff.se <= margin:
-      return "reproduced"
-    if abs(diff.mean) - 2 * diff.se > margin:
-      return "contradicted"
-    return "not at this scale"
-  if diff.se == 0.0:
-    strong = diff.mean != 0.0
-  else:
-    strong = abs(diff.mean) >= 2 * diff.se
-  if not strong:
-    return "not at this scale"
-  return "reproduced" if diff.mean * better > 0 else "contradicted"
 
 
 def values(runs: dict, regime: str, key: str, metric: str,
@@ -472,11 +431,16 @@ def run_experiment(title: str, intro: Sequence[str],
                    candidates: Sequence[Candidate], claims: Sequence[Claim],
                    metrics: Sequence[str], args: argparse.Namespace,
                    name: str, quick_keys: Sequence[str] = (),
-                   evaluation: str = EVALUATION) -> tuple[str, dict]:
+                   evaluation: str = EVALUATION,
+                   sections: Optional[Callable[[dict, Sequence[Regime],
+                                                Sequence[Candidate]],
+                                               list[str]]] = None
+                   ) -> tuple[str, dict]:
   """Trains the grid, writes ROOT/NAME.md (a section per regime: results,
-  claims with verdicts, per-seed values) and ROOT/NAME_REGIME.png; returns
-  the report and `{regime: claim rows}`. `evaluation` states how each
-  run is evaluated (default: `EVALUATION`). `--quick` checks every
+  claims with verdicts, per-seed values; then `sections(runs, regimes,
+  trained candidates)`'s markdown lines, if given) and ROOT/NAME_REGIME.png;
+  returns the report and `{regime: claim rows}`. `evaluation` states how
+  each run is evaluated (default: `EVALUATION`). `--quick` checks every
   candidate's config (`validate_config`: nothing compiles) and trains only
   `quick_keys`; claims between candidates not trained are left out."""
   regimes = [(QUICK_REGIMES if args.quick else REGIMES)[r]
@@ -490,7 +454,8 @@ def run_experiment(title: str, intro: Sequence[str],
   runs = run_grid(candidates, regimes, args.seeds, args.root, args.quick,
                   args.jobs)
   labels = {c.key: c.label for c in candidates}
-  lines = [f"# {title}", ""] + list(intro) + [evaluation] + [
+  lines = [f"# {title}", ""] + list(intro) + reuse_lines(
+      args.root, regimes, candidates, args.seeds) + [evaluation] + [
       "", f"Seeds {list(args.seeds)}; mean ± std (sample std) over seeds; "
       "verdicts from the paired difference over seeds (reproduced / "
       "contradicted: |mean| >= 2 standard errors in / against the claimed "
@@ -511,4 +476,6 @@ def run_experiment(title: str, intro: Sequence[str],
               "Per seed:", "",
               *per_seed_lines(runs, regime.name, candidates, metrics,
                               args.seeds), ""]
+  if sections is not None:
+    lines += sections(runs, regimes, candidates)
   return write_report(args.root, f"{name}.md", lines), verdicts

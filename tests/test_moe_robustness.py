@@ -1,10 +1,9 @@
 """experiments/moe_robustness.py without training: the per-eps metrics read
 from hand-written metrics records, the candidates' configs, their computed
-parameter / FLOP relations, and the reuse of finished baseline runs."""
+parameter / FLOP relations, and the baseline it is evaluated from."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -163,22 +162,14 @@ def test_claims_and_metrics_are_registered():
   assert mr.EPS[0] == 0.0 and mr.EPS[-1] == mr.ATTACK_EPS
 
 
-def test_reuse_finished_copies_the_last_checkpoint(tmp_path):
-  root = str(tmp_path)
-  src = tmp_path / "low_data" / "noisy_topk_0"
-  for step in ("10", "20"):
-    (src / "checkpoints" / step / "state").mkdir(parents=True)
-    (src / "checkpoints" / step / "state" / "data").write_text(step)
-  (src / "metrics.jsonl").write_text(json.dumps({"step": 20}) + "\n")
-  (tmp_path / "low_data" / "noisy_topk_1").mkdir()  # Not finished.
-  assert mr.reuse_finished(root, ["low_data"], [0, 1]) == []  # No report.
-  (src / "report.md").write_text("done")
-  seeded = mr.reuse_finished(root, ["low_data"], [0, 1])
-  dst = tmp_path / "low_data" / "vmoe_k2_0"
-  assert seeded == [str(dst)]
-  assert os.listdir(dst / "checkpoints") == ["20"]
-  assert (dst / "checkpoints" / "20" / "state" / "data").read_text() == "20"
-  assert (dst / "metrics.jsonl").read_text() == (src / "metrics.jsonl"
-                                                 ).read_text()
-  assert not study.finished(str(dst))  # The study evaluates it.
-  assert mr.reuse_finished(root, ["low_data"], [0, 1]) == []  # Started.
+def test_vmoe_k2_is_noisy_topk_evaluated_again():
+  """`vmoe_k2` has the training config of acmoe_vmoe.py's `noisy_topk`."""
+  import acmoe_vmoe  # pylint: disable=g-import-not-at-top
+  (k2,) = [c for c in mr.CANDIDATES if c.key == "vmoe_k2"]
+  (base,) = [c for c in acmoe_vmoe.CANDIDATES if c.key == "noisy_topk"]
+  assert k2.trained_as == base
+  assert all(c.trained_as is None for c in mr.CANDIDATES if c is not k2)
+  for regime in study.REGIMES.values():
+    study.evaluate_only.check_same_training(
+        k2.key, study.build_config(k2, 1, regime, False), base.key,
+        study.build_config(base, 1, regime, False))

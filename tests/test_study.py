@@ -1,5 +1,5 @@
-"""The reproduction experiments' shared machinery (experiments/study.py):
-the paired statistics and verdicts against hand-computed cases, the metric
+"""The reproduction experiments' shared machinery (experiments/study.py,
+experiments/verdicts.py): the paired statistics and verdicts against hand-computed cases, the metric
 extraction from hand-written metrics records, and the configs it builds."""
 
 from __future__ import annotations
@@ -13,19 +13,20 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir,
                                 "experiments"))
 import study  # noqa: E402  pylint: disable=g-import-not-at-top
+import verdicts  # noqa: E402  pylint: disable=g-import-not-at-top
 
 from vmoe_ext.app.schema import validate_config  # noqa: E402
 
 
 def test_paired_difference_hand_case():
-  diff = study.paired([1.0, 2.0, 3.0], [2.0, 3.1, 4.2])
+  diff = verdicts.paired([1.0, 2.0, 3.0], [2.0, 3.1, 4.2])
   # d = 1.0, 1.1, 1.2: mean 1.1, sample std 0.1, se 0.1 / sqrt(3).
   assert diff.n == 3
   assert diff.mean == pytest.approx(1.1)
   assert diff.std == pytest.approx(0.1)
   assert diff.se == pytest.approx(0.1 / math.sqrt(3))
   with pytest.raises(ValueError):
-    study.paired([1.0, 2.0], [1.0])
+    verdicts.paired([1.0, 2.0], [1.0])
 
 
 @pytest.mark.parametrize("diffs, better, expected", [
@@ -41,8 +42,8 @@ def test_paired_difference_hand_case():
     ([0.2, 0.6, 1.0], +1, "reproduced"),
 ])
 def test_verdict_rule(diffs, better, expected):
-  diff = study.paired([0.0] * len(diffs), diffs)
-  assert study.verdict(diff, better) == expected
+  diff = verdicts.paired([0.0] * len(diffs), diffs)
+  assert verdicts.verdict(diff, better) == expected
 
 
 @pytest.mark.parametrize("diffs, expected", [
@@ -57,9 +58,9 @@ def test_verdict_rule(diffs, better, expected):
     ([0.0, 0.0], "not at this scale"),             # < 3 seeds: no verdict
 ])
 def test_verdict_equivalence_rule(diffs, expected):
-  diff = study.paired([0.0] * len(diffs), diffs)
+  diff = verdicts.paired([0.0] * len(diffs), diffs)
   for better in (+1, -1):  # The claimed direction plays no part.
-    assert study.verdict(diff, better, margin=0.5) == expected
+    assert verdicts.verdict(diff, better, margin=0.5) == expected
 
 
 def test_claims_table_marks_an_equivalence_claim():
@@ -78,16 +79,16 @@ def test_claims_table_marks_an_equivalence_claim():
 def test_sampling_floor_hand_case():
   # p = 1% on 500 images: binomial std 100 sqrt(0.01 * 0.99 / 500) = 0.445
   # points; a difference of two averaged over 3 seeds: x sqrt(2 / 3).
-  floor = study.sampling_se(1.0, 500, 3)
+  floor = verdicts.sampling_se(1.0, 500, 3)
   assert floor == pytest.approx(0.44497 * math.sqrt(2 / 3), rel=1e-4)
   # One image of 500 on every seed: std 0, but below 2 floors.
-  diff = study.paired([1.0] * 3, [1.2] * 3, floor)
+  diff = verdicts.paired([1.0] * 3, [1.2] * 3, floor)
   assert diff.se == pytest.approx(floor)
-  assert study.verdict(diff, +1) == "not at this scale"
+  assert verdicts.verdict(diff, +1) == "not at this scale"
   # A seed spread larger than the floor wins.
-  assert study.paired([0.0, 0.0, 0.0], [1.0, 3.0, 5.0], floor).se == (
+  assert verdicts.paired([0.0, 0.0, 0.0], [1.0, 3.0, 5.0], floor).se == (
       pytest.approx(2 / math.sqrt(3)))
-  assert study.sampling_se(50.0, float("nan"), 3) == 0.0
+  assert verdicts.sampling_se(50.0, float("nan"), 3) == 0.0
 
 
 def test_claims_table_applies_the_floor_from_num_examples():
@@ -102,7 +103,7 @@ def test_claims_table_applies_the_floor_from_num_examples():
                                {"base": "B", "new": "N"}, [0, 1, 2])
   assert rows[0]["diff"].std == pytest.approx(0.0, abs=1e-9)
   assert rows[0]["diff"].floor == pytest.approx(
-      study.sampling_se(1.1, 500, 3))
+      verdicts.sampling_se(1.1, 500, 3))
   assert rows[0]["verdict"] == "not at this scale"
 
 
