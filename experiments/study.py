@@ -179,7 +179,8 @@ def build_config(candidate: Candidate, seed: int, regime: Regime,
     config.robustness.attacks = tuple(
         dict(a, steps=2) if a["name"] == "pgd" else dict(a)
         for a in config.robustness.attacks)
-    config.robustness.corruptions["severities"] = (3,)
+    if config.robustness.get("corruptions") is not None:
+      config.robustness.corruptions["severities"] = (3,)
   config.data.analysis_tsne_tokens = 0  # No t-SNE figure (3 s a layer).
   return config
 

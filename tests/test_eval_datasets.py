@@ -429,6 +429,7 @@ def test_robustness_cifar10_config_evaluates_a_mock_run(tmp_path):
   records = {r["split"]: r for r in read_metrics(out)}
   assert {"adversarial/fgsm", "adversarial/spsa", "sweep/pgd",
           "corrupted/cifar10_c", "ood/svhn"} <= set(records)
+  assert records["sweep/pgd"]["num_examples"] == 4  # The last eps's line.
   c10c = records["corrupted/cifar10_c"]
   assert c10c["num_examples"] == 6 and "mce" not in c10c
   for key in ("fog/s1/accuracy", "speckle_noise/s5/accuracy"):

@@ -173,6 +173,22 @@ def test_build_config_applies_candidate_and_regime():
   assert default.data.get("train_examples") is None
 
 
+def test_quick_config_shrinks_the_evaluation_it_has():
+  quick = study.QUICK_REGIMES["low_data"]
+  config = study.build_config(study.Candidate("b", "b", "default"), 0, quick,
+                              quick=True)
+  assert config.robustness.num_examples == 32
+  assert [a.get("steps") for a in config.robustness.attacks] == [None, 2]
+  assert tuple(config.robustness.corruptions["severities"]) == (3,)
+  assert (config.data.train_examples, config.train.total_steps) == (100, 20)
+  # A candidate without the corruption suite keeps it off.
+  config = study.build_config(study.Candidate(
+      "n", "n", "default", overrides=(("robustness.corruptions", None),)),
+      0, quick, quick=True)
+  assert config.robustness.corruptions is None
+  validate_config(config)
+
+
 def test_plot_writes_a_png(tmp_path):
   runs = {("default", k, s): RECORDS for k in ("a", "b") for s in (0, 1)}
   path = study.plot(runs, "default",

@@ -192,7 +192,8 @@ def evaluate_robustness(model: nn.Module, variables: Mapping[str, Any],
     for e in eps_list:  # eps = 0 is the clean input (the eps-ball is a point).
       m = attack_metrics(evaluator, data, {**attack, "eps": e}, batch_size,
                          cfg["seed"], desc=f"{attack['name']} eps={e:g}")
-      writer.write(step, f"sweep/{attack['name']}", {**m, "eps": e})
+      writer.write(step, f"sweep/{attack['name']}",
+                   {**m, "eps": e, "num_examples": len(data)})
       acc.append(m["accuracy"])
       for k, v in m.items():
         if k.endswith("routing_change_rate"):
