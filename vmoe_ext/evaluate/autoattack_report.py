@@ -13,6 +13,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from vmoe_ext.reporting import figures
 from vmoe_ext.reporting.report_parts import markdown_table
 
 ROBUST_AFTER = "robust_after/"
@@ -26,11 +27,7 @@ def _same_threat(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
 
 
 def _plot(curves: dict[str, np.ndarray], path: str) -> None:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  fig, ax = plt.subplots(figsize=(6, 3.5))
+  fig, ax = figures.subplots(figsize=(6, 3.5))
   for label, curve in curves.items():
     ax.plot(np.arange(len(curve)), curve, label=label)
   ax.set(xlabel="iteration", ylabel="best loss (mean over attacked points)",
@@ -38,7 +35,6 @@ def _plot(curves: dict[str, np.ndarray], path: str) -> None:
   ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=100)
-  plt.close(fig)
 
 
 def autoattack_section(results: Sequence[tuple[Mapping[str, Any],

@@ -34,6 +34,7 @@ from vmoe_ext.evaluate.datasets import check_datasets, evaluate_datasets
 from vmoe_ext.evaluate.evaluator import Evaluator, clean_accuracy
 from vmoe_ext.evaluate.metrics import routing_change_rate
 from vmoe_ext.naming import metric_key_of
+from vmoe_ext.reporting import figures
 from vmoe_ext.reporting.report_parts import bar_chart, markdown_table
 from vmoe_ext.reporting.writers import (MetricWriter, progress_bar,
                                        progress_line)
@@ -120,11 +121,7 @@ def attack_metrics(evaluator: Evaluator, dataset: ArrayDataset,
 def _plot_sweep(eps: Sequence[float], acc: Sequence[float],
                 routing: dict[str, list[float]], title: str,
                 path: str) -> None:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
+  fig, (ax1, ax2) = figures.subplots(1, 2, figsize=(10, 3.5))
   ax1.plot(eps, acc, "o-")
   ax1.set(xlabel="eps (pixel units, [0, 1] images)", ylabel="accuracy",
           title=f"{title}: accuracy", ylim=(0, 1))
@@ -136,7 +133,6 @@ def _plot_sweep(eps: Sequence[float], acc: Sequence[float],
     ax2.legend()
   fig.tight_layout()
   fig.savefig(path, dpi=100)
-  plt.close(fig)
 
 
 def evaluate_robustness(model: nn.Module, variables: Mapping[str, Any],

@@ -17,15 +17,9 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from vmoe_ext.naming import METRIC_PATTERN, block_index
+from vmoe_ext.reporting import figures
 
 NO_EXPERT = (1.0, 1.0, 1.0, 0.0)  # Tokens without an expert: blank.
-
-
-def _pyplot():
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  return plt
 
 
 def expert_colors(num_experts: int) -> np.ndarray:
@@ -62,10 +56,9 @@ def plot_expert_maps(images: np.ndarray, maps: Mapping[str, np.ndarray],
   n = len(images)
   if not layers or n == 0:
     return False
-  plt = _pyplot()
   colors = expert_colors(max(num_experts[l] for l in layers))
   gray = images.mean(axis=-1)
-  fig, axes = plt.subplots(
+  fig, axes = figures.subplots(
       1 + len(layers), n, squeeze=False,
       figsize=(1.3 * n + 1.0, 1.3 * (1 + len(layers)) + 0.6))
   for i in range(n):
@@ -87,16 +80,15 @@ def plot_expert_maps(images: np.ndarray, maps: Mapping[str, np.ndarray],
     ax.set_yticks([])
   fig.suptitle("Top-1 expert of each patch (blank: no expert)",
                fontsize="medium")
-  _save_with_legend(plt, fig, colors, path)
+  _save_with_legend(fig, colors, path)
   return True
 
 
-def _save_with_legend(plt, fig, colors, path: str) -> None:
+def _save_with_legend(fig, colors, path: str) -> None:
   """The expert-colour legend under the panels, then the PNG."""
   _legend(fig, len(colors), colors, loc="lower center")
   fig.tight_layout(rect=(0, 0.07, 1, 1))
   fig.savefig(path, dpi=100)
-  plt.close(fig)
 
 
 def plot_tsne(embeddings: Mapping[str, np.ndarray],
@@ -107,10 +99,9 @@ def plot_tsne(embeddings: Mapping[str, np.ndarray],
   layers = sorted(embeddings, key=block_index)
   if not layers:
     return False
-  plt = _pyplot()
   colors = expert_colors(max(num_experts[l] for l in layers))
-  fig, axes = plt.subplots(1, len(layers), squeeze=False,
-                           figsize=(4 * len(layers), 4.4))
+  fig, axes = figures.subplots(1, len(layers), squeeze=False,
+                             figsize=(4 * len(layers), 4.4))
   for ax, layer in zip(axes[0], layers):
     points, e = embeddings[layer], experts[layer]
     none = e < 0
@@ -121,7 +112,7 @@ def plot_tsne(embeddings: Mapping[str, np.ndarray],
            yticks=[])
   fig.suptitle("t-SNE of MoE inputs, coloured by top-1 expert",
                fontsize="medium")
-  _save_with_legend(plt, fig, colors, path)
+  _save_with_legend(fig, colors, path)
   return True
 
 
@@ -165,10 +156,9 @@ def plot_router_state_heatmaps(records: Sequence[Mapping[str, Any]],
   values = [a for v in series.values() for a in v.values()]
   vmin = min(0.0, min(float(a.min()) for a in values))
   vmax = max(max(float(a.max()) for a in values), vmin + 1e-12)
-  plt = _pyplot()
-  fig, axes = plt.subplots(len(keys), len(steps), squeeze=False,
-                           figsize=(2.4 * len(steps) + 1.2,
-                                    2.3 * len(keys) + 0.5))
+  fig, axes = figures.subplots(len(keys), len(steps), squeeze=False,
+                             figsize=(2.4 * len(steps) + 1.2,
+                                      2.3 * len(keys) + 0.5))
   image = None
   for row, key in enumerate(keys):
     match = STATE_KEY.match(key)
@@ -193,5 +183,4 @@ def plot_router_state_heatmaps(records: Sequence[Mapping[str, Any]],
   if image is not None:
     fig.colorbar(image, cax=fig.add_axes((0.91, 0.12, 0.02, 0.72)))
   fig.savefig(path, dpi=100)
-  plt.close(fig)
   return True

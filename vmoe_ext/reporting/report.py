@@ -10,6 +10,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from vmoe_ext.naming import block_index
+from vmoe_ext.reporting import figures
 from vmoe_ext.reporting.writers import write_plot_images
 
 
@@ -42,13 +43,9 @@ def plot_curves(records: Sequence[Mapping[str, Any]], path: str) -> bool:
   the records have no training line (an evaluation-only or carve run)."""
   if not any(r.get("split") == "train" and "loss" in r for r in records):
     return False
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
   train = [r for r in records if r.get("split") == "train" and "loss" in r]
   test = [r for r in records if r.get("split") == "test" and "accuracy" in r]
-  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
+  fig, (ax1, ax2) = figures.subplots(1, 2, figsize=(10, 3.5))
   if train:
     ax1.plot([r["step"] for r in train], [r["loss"] for r in train],
              label="train loss")
@@ -66,7 +63,6 @@ def plot_curves(records: Sequence[Mapping[str, Any]], path: str) -> bool:
   ax2.legend()
   fig.tight_layout()
   fig.savefig(path, dpi=100)
-  plt.close(fig)
   return True
 
 
@@ -76,13 +72,9 @@ def plot_expert_load(metrics: Mapping[str, Any], path: str) -> bool:
            if k.endswith("/expert_load")}
   if not loads:
     return False
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
   layers = sorted(loads, key=block_index)  # `layer_i` keys, by block i.
-  fig, axes = plt.subplots(1, len(layers), figsize=(4 * len(layers), 3),
-                           squeeze=False)
+  fig, axes = figures.subplots(1, len(layers), figsize=(4 * len(layers), 3),
+                             squeeze=False)
   for ax, layer in zip(axes[0], layers):
     load = loads[layer]
     ax.bar(np.arange(len(load)), 100 * load)
@@ -92,7 +84,6 @@ def plot_expert_load(metrics: Mapping[str, Any], path: str) -> bool:
     ax.legend()
   fig.tight_layout()
   fig.savefig(path, dpi=100)
-  plt.close(fig)
   return True
 
 

@@ -6,6 +6,8 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
+from vmoe_ext.reporting import figures
+
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]
                    ) -> str:
@@ -20,12 +22,8 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]
 def bar_chart(values: Mapping[str, float], path: str, *, ylabel: str,
               title: str, ylim: Optional[tuple[float, float]] = None) -> None:
   """Saves a bar chart of `{label: value}` (labels in order) as a PNG."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
   names = list(values)
-  fig, ax = plt.subplots(figsize=(10, 3.5))
+  fig, ax = figures.subplots(figsize=(10, 3.5))
   ax.bar(np.arange(len(names)), [values[n] for n in names])
   ax.set_xticks(np.arange(len(names)), names, rotation=45, ha="right")
   ax.set(ylabel=ylabel, title=title)
@@ -33,4 +31,3 @@ def bar_chart(values: Mapping[str, float], path: str, *, ylabel: str,
     ax.set_ylim(*ylim)
   fig.tight_layout()
   fig.savefig(path, dpi=100)
-  plt.close(fig)
