@@ -17,7 +17,7 @@ layout), every other hyper-parameter shared:
 * `momentum_complex`: complex momentum, |mu| 0.7, arg pi / 8.
 
 Time-varying momentum with scheduled restart (SR) needs more MoE layers
-than the default's two and is not run. Writes ROOT/momentum_extensions.md
+than the default's two: `momentum_restart.py` runs it. Writes ROOT/momentum_extensions.md
 and ROOT/momentum_extensions_{regime}.png.
 """
 
