@@ -28,10 +28,9 @@ with eps); accuracy and the routing change per MoE layer at each eps, the
 area under the accuracy-vs-eps curve; Gaussian noise at severities 1-5 in
 place of the corruption suite (a random-noise control). Writes
 ROOT/moe_robustness.md, ROOT/moe_robustness_{regime}.png and
-ROOT/moe_robustness_eps_{regime}.png. About 42 minutes on the 2-core CPU
-with `--jobs 2` when `noisy_topk`'s runs are reused (4 models x 3 seeds x 2
-regimes trained: 12 x (~200 s + ~67 s) alone / 1.35 for two at a time),
-~52 without; `--quick` runs `dense` and `vmoe_k2` (the latter from
+ROOT/moe_robustness_eps_{regime}.png. 37 minutes on the 2-core CPU with
+`--jobs 2` when `noisy_topk`'s runs are reused (4 models x 3 seeds x 2
+regimes trained, `vmoe_k2` only evaluated), ~47 without; `--quick` runs `dense` and `vmoe_k2` (the latter from
 `acmoe_vmoe.py --quick`'s `noisy_topk` where ROOT has it).
 """
 

@@ -19,8 +19,8 @@ other hyper-parameter shared:
 * `deep_restart`: restart every 2 MoE layers: mu 0, 1/4, 0, 1/4.
 
 Writes ROOT/momentum_restart.md and ROOT/momentum_restart_{regime}.png.
-About 36 minutes on the 2-core CPU with `--jobs 2` once
-`deep_noisy_topk`'s runs exist.
+21 minutes on the 2-core CPU with `--jobs 2` once `deep_noisy_topk`'s
+runs exist.
 """
 
 from __future__ import annotations
