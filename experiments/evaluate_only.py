@@ -17,28 +17,21 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Mapping
 from typing import Any, Optional
+
+from flax.traverse_util import flatten_dict
+
+from vmoe_ext.train.checkpoint_params import checkpoint_steps
 
 MARKER = "trained_as.json"
 # Config fields read only by the after-training evaluation.
 EVALUATION_FIELDS = ("robustness", "data.analysis_tsne_tokens")
 
 
-def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-  flat = {}
-  for key, value in tree.items():
-    name = f"{prefix}{key}"
-    if isinstance(value, Mapping):
-      flat.update(_flatten(value, name + "."))
-    else:
-      flat[name] = value
-  return flat
-
-
 def training_fields(config: Any) -> dict[str, Any]:
   """`{dotted field: value}` of everything but `EVALUATION_FIELDS`."""
-  flat = _flatten(config.to_dict() if hasattr(config, "to_dict") else config)
+  tree = config.to_dict() if hasattr(config, "to_dict") else config
+  flat = flatten_dict(tree, sep=".")
   return {k: v for k, v in flat.items()
           if not any(k == f or k.startswith(f + ".")
                      for f in EVALUATION_FIELDS)}
@@ -59,21 +52,14 @@ def check_same_training(name: str, config: Any, source: str,
         f"configs differ (only {', '.join(EVALUATION_FIELDS)} may): {detail}")
 
 
-def last_checkpoint(workdir: str) -> Optional[str]:
-  """The name of the highest-step checkpoint in WORKDIR/checkpoints."""
-  ckpts = os.path.join(workdir, "checkpoints")
-  steps = ([int(s) for s in os.listdir(ckpts) if s.isdigit()]
-           if os.path.isdir(ckpts) else [])
-  return str(max(steps)) if steps else None
-
-
 def seed_from(source_dir: str, workdir: str) -> bool:
-  """Copies the finished run `source_dir`'s last checkpoint and metrics
+  """Copies the finished run `source_dir`'s last complete checkpoint and
   record into `workdir`, which must not exist yet, and writes the marker.
   Returns False (and does nothing) where there is nothing to seed from:
   `source_dir` not finished (no report.md) or without checkpoints, or
   `workdir` already started."""
-  step = last_checkpoint(source_dir)
+  steps = checkpoint_steps(os.path.join(source_dir, "checkpoints"))
+  step = str(steps[-1]) if steps else None
   if (os.path.exists(workdir) or step is None
       or not os.path.exists(os.path.join(source_dir, "report.md"))):
     return False

@@ -30,8 +30,9 @@ place of the corruption suite (a random-noise control). Writes
 ROOT/moe_robustness.md, ROOT/moe_robustness_{regime}.png and
 ROOT/moe_robustness_eps_{regime}.png. 37 minutes on the 2-core CPU with
 `--jobs 2` when `noisy_topk`'s runs are reused (4 models x 3 seeds x 2
-regimes trained, `vmoe_k2` only evaluated), ~47 without; `--quick` runs `dense` and `vmoe_k2` (the latter from
-`acmoe_vmoe.py --quick`'s `noisy_topk` where ROOT has it).
+regimes trained, `vmoe_k2` only evaluated), ~47 without; `--quick` runs
+`dense` and `vmoe_k2` (the latter from `acmoe_vmoe.py --quick`'s
+`noisy_topk` where ROOT has it).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ EXPERT_WIDTH, NUM_EXPERTS = 128, 4  # The default V-MoE's H and E.
 AUC_MARGIN, CLEAN_MARGIN = 5.0, 1.0
 
 _MOE = "model.moe"
-# acmoe_vmoe.py's baseline (its run directories are ROOT/REGIME/noisy_topk_SEED).
+# acmoe_vmoe.py's baseline (run directories ROOT/REGIME/noisy_topk_SEED).
 NOISY_TOPK = Candidate("noisy_topk", "V-MoE noisy top-2", "default")
 
 
