@@ -18,6 +18,7 @@ layout) on the default MNIST-5k V-MoE, every other hyper-parameter shared:
 accuracy points fixed before the runs (`study.Claim.margin`).
 `momentum_heavy_ball` and `noisy_topk` are `momentum_vmoe.py`'s runs (same
 ROOT). Writes ROOT/momentum_grid.md and ROOT/momentum_grid_{regime}.png.
+45 minutes on the 2-core CPU with `--jobs 2` once those runs exist.
 """
 
 from __future__ import annotations
