@@ -13,8 +13,9 @@ BASE picks gamma (docs/routers.md):
   Symphony together.
 
 ABLATION tokens, comma-separated, give the paper's ablations (appendix G):
-`beta=0.3|0.5|0.7|0.9` (Table 14), `init=zeros|uniform|random|kaiming|xavier|
-identity` (Table 13; `random` is the paper's "standard uniform"), `sparse`
+`beta=0.3|0.5|0.7|0.9` (Table 14), `init=zeros|random|kaiming|xavier`
+(Table 13; `random` is the paper's "standard uniform") or `init=uniform|
+identity` (every entry 1/E, or the identity: not in the paper), `sparse`
 (graph threshold t = 0.05, Table 15). Example: `:cosine,beta=0.5,sparse`.
 """
 
