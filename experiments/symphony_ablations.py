@@ -18,6 +18,7 @@ default MNIST-5k V-MoE with the Symphony router over noisy top-2
 are reused). Kaiming and Xavier inits (also in Table 13) are left out of the
 45-minute budget: `configs/symphony.py:init=kaiming|xavier`. Writes
 ROOT/symphony_ablations.md and ROOT/symphony_ablations_{regime}.png.
+38 minutes on the 2-core CPU with `--jobs 2` once those runs exist.
 """
 
 from __future__ import annotations
