@@ -4,9 +4,9 @@
         [--root runs/repro] [--regimes default low_data] [--jobs 2] [--quick]
 
 The paper's Table 9 (language modelling) compares six more descent methods
-as residual streams, and its Tables 8 and 10 SAM on the V-MoE. Here each on the
-default MNIST-5k V-MoE (`configs/momentum.py` variants, `vmoe_reference`
-layout), every other hyper-parameter shared:
+as residual streams, and its Tables 8 and 10 SAM on the V-MoE. Here each
+on the default MNIST-5k V-MoE (`configs/momentum.py` variants,
+`vmoe_reference` layout), every other hyper-parameter shared:
 
 * `noisy_topk`: the plain residual; `momentum_heavy_ball`: mu 0.8, gamma 1
   (both `momentum_vmoe.py`'s runs);
@@ -55,8 +55,9 @@ CLAIMS = (
     Claim("MomentumSMoE Table 9 (LM test PPL 35.55 → 35.05)",
           "SAM improves over the plain residual", "noisy_topk",
           "momentum_sam", "clean"),
-    Claim("MomentumSMoE Tables 8, 10 (V-MoE, IN-C mCE 67.14 → 65.88)", "SAM lowers the corruption error", "noisy_topk",
-          "momentum_sam", "mce"),
+    Claim("MomentumSMoE Tables 8, 10 (V-MoE, IN-C mCE 67.14 → 65.88)",
+          "SAM lowers the corruption error", "noisy_topk", "momentum_sam",
+          "mce"),
     Claim("MomentumSMoE Table 9 (LM test PPL 35.55 → 35.09)",
           "negative momentum improves over the plain residual",
           "noisy_topk", "momentum_negative", "clean"),
