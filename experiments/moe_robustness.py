@@ -51,6 +51,7 @@ from common import mean_std
 from study import Candidate, Claim, Metric, parse_args, run_experiment
 from vmoe_ext.data import load_mnist5k
 from vmoe_ext.models import build_model
+from vmoe_ext.reporting import figures
 
 NAME = "moe_robustness"
 ATTACK_SPLIT, SWEEP_SPLIT = "adversarial/pgd", "sweep/pgd"
@@ -287,10 +288,7 @@ def plot_eps(runs: dict, regime: str, candidates: Sequence[Candidate],
              moe: Sequence[str], seeds: Sequence[int], path: str) -> str:
   """PGD accuracy vs eps (mean ± std over seeds per model) and routing
   change vs eps per MoE layer (mean over seeds per V-MoE)."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  fig, (acc_ax, rc_ax) = plt.subplots(1, 2, figsize=(11, 4))
+  fig, (acc_ax, rc_ax) = figures.subplots(1, 2, figsize=(11, 4))
   styles = ("-", "--", ":", "-.")
   for i, c in enumerate(candidates):
     color = f"C{i}"

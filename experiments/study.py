@@ -33,6 +33,7 @@ from verdicts import paired, sampling_se, verdict
 from vmoe_ext.app.schema import validate_config
 from vmoe_ext.app.train import train_and_evaluate
 from vmoe_ext.evaluate.final import after_training_hook
+from vmoe_ext.reporting import figures
 from vmoe_ext.reporting.writers import read_metrics
 
 EVALUATION = ("FGSM / PGD-10 at eps 0.05 and the corruption suite on 500 "
@@ -358,14 +359,11 @@ def plot(runs: dict, regime: str, candidates: Sequence[Candidate],
   """One PNG: per metric, every seed's value (grey) and mean ± std over
   seeds (blue) per candidate; and the training-loss curves (mean over
   seeds) of every candidate."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   panels = len(metrics) + 1
   cols = min(3, panels)
   rows = -(-panels // cols)
-  fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows),
-                           squeeze=False)
+  fig, axes = figures.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows),
+                               squeeze=False)
   axes = axes.ravel()
   keys = [c.key for c in candidates]
   for ax, m in zip(axes, metrics):
@@ -397,14 +395,12 @@ def plot(runs: dict, regime: str, candidates: Sequence[Candidate],
 
 
 def save_figure(fig, regime: str, seeds: Sequence[int], path: str) -> str:
-  """Titles `fig` with the regime and seeds, writes it to `path` (PNG),
-  closes it and returns `path`."""
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  """Titles `fig` (a `vmoe_ext.reporting.figures` figure) with the regime
+  and seeds, writes it to `path` (PNG) and returns `path`."""
   fig.suptitle(f"regime: {regime}; seeds {list(seeds)}", fontsize=10)
   fig.tight_layout()
   os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
   fig.savefig(path, dpi=110)
-  plt.close(fig)
   return path
 
 
