@@ -47,8 +47,8 @@ sys.path.insert(0, HERE)
 
 from vmoe_ext.errors import ConfigError  # noqa: E402
 from fake_devices import fake_devices_env  # noqa: E402
-from test_documented_commands import (ROOT, _resolve,  # noqa: E402
-                                      documented_commands)
+from test_documented_commands import (  # noqa: E402
+    ROOT, documented_commands, resolve_command)
 
 STEPS = ("--config.train.total_steps=2", "--config.train.log_every=1",
          "--config.train.eval_every=0", "--config.train.checkpoint_every=2",
@@ -104,7 +104,7 @@ def shortened(command: str, scratch: str, fake_data: str) -> list[str]:
       value = fake_data
     out.append(f"{flag}={value}" if _ else word)
   out += STEPS
-  config = _resolve(["prog", *out])
+  config = resolve_command(["prog", *out])
   if config.get("robustness") is not None:
     out += ROBUSTNESS
   return out

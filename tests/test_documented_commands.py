@@ -2,8 +2,8 @@
 in a code block parses and resolves: its config file and argument exist, its
 flags are the binary's and every `--config.FIELD=VALUE` names a field with a
 valid value. Checked through the binary's own flag path (`parse_flags`'
-steps) and config resolution, in one process, without training (running
-each would take minutes). A command whose only problem is data that is not
+steps), config resolution and the model's checks (`validate_config`), in
+one process, without training (running each would take minutes). A command whose only problem is data that is not
 on this machine (a `data_dir`, a checkpoint) must fail on exactly that field.
 CI runs the commands themselves, shortened to a few steps:
 `tests/run_documented_commands.py`.
@@ -22,7 +22,7 @@ from ml_collections import config_flags
 
 from vmoe_ext.app.context import resolved
 from vmoe_ext.app.main import DEFAULT_CONFIG, _split_config_flag
-from vmoe_ext.app.schema import CONFIG
+from vmoe_ext.app.schema import CONFIG, validate_config
 from vmoe_ext.config.overrides import prepare_overrides, take_none_overrides
 from vmoe_ext.errors import ConfigError
 from vmoe_ext.train.config_files import CONFIG_DIR, load_config_flag
@@ -68,7 +68,8 @@ def documented_commands() -> list[tuple[str, str]]:
 COMMANDS = documented_commands()
 
 
-def _resolve(argv: list[str]):
+def resolve_command(argv: list[str]):
+  """The resolved config of a binary command line (argv[0] ignored)."""
   value, rest = _split_config_flag(argv)
   config = prepare_overrides(load_config_flag(value), rest, CONFIG)
   rest = take_none_overrides(config, rest, CONFIG)
@@ -77,6 +78,22 @@ def _resolve(argv: list[str]):
                                   lock_config=True, sys_argv=rest)
   values(["prog", *(a for a in rest[1:] if a.startswith("--config."))])
   return resolved(values.config)
+
+
+def resolve_but_for_data(words: list[str], where: str):
+  """The resolved config of the binary's arguments `words`, checked as a
+  run checks it before reading data (`validate_config`: the model's own
+  checks too), or None when the only problem is data this machine lacks
+  (the command is right otherwise); any other ConfigError fails the test,
+  naming `where`."""
+  try:
+    config = resolve_command(["prog", *words])
+    validate_config(config)
+    return config
+  except ConfigError as e:
+    assert e.field.startswith(DATA_FIELDS) or ".source" in e.field, (
+        f"{where}: {e}")
+    return None
 
 
 def test_the_docs_print_binary_commands():
@@ -95,12 +112,8 @@ def test_a_documented_command_resolves(where, command, monkeypatch):
     flag = word.split("=")[0]
     assert flag.startswith("--config") or flag in BINARY_FLAGS, (
         f"{where}: {command}: unknown flag {flag}")
-  try:
-    config = _resolve(["prog", *words])
-  except ConfigError as e:
-    # Only data this machine lacks: the command is right otherwise.
-    assert e.field.startswith(DATA_FIELDS) or ".source" in e.field, (
-        f"{where}: {command}: {e}")
+  config = resolve_but_for_data(words, f"{where}: {command}")
+  if config is None:
     return
   assert config.train.total_steps > 0
   if _split_config_flag(["prog", *words])[0] == DEFAULT_CONFIG:
