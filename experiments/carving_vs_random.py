@@ -37,16 +37,12 @@ import shutil
 import time
 from typing import Any, Optional, Sequence
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-
 from common import mean_std, parse_seeds_and_root, write_report
 from vmoe_ext.app.carve import carve_checkpoint
+from vmoe_ext.app.train import train_and_evaluate
+from vmoe_ext.reporting.figures import subplots
 from vmoe_ext.reporting.writers import read_metrics
 from vmoe_ext.train.config_files import load_config
-from vmoe_ext.app.train import train_and_evaluate
 
 SIZES = {"S1A1E8": 0.25, "S2A2E8": 0.50, "S3A3E8": 0.75}  # -> active ratio
 METHODS = ("cmoe", "random")
@@ -112,7 +108,7 @@ def finetune(size: str, method: str, seed: int, carve_dir: str, workdir: str,
 def plot(results: dict, dense_acc: Sequence[float], seeds: Sequence[int],
          path: str) -> None:
   """Left: every condition; right: the fine-tuned ones on a zoomed axis."""
-  fig, axes = plt.subplots(1, 2, figsize=(11.5, 4.6))
+  fig, axes = subplots(1, 2, figsize=(11.5, 4.6))
   x = list(SIZES.values())
   styles = {("cmoe", "free"): ("CMoE, training-free", "tab:blue", "-"),
             ("cmoe", "ft"): ("CMoE, fine-tuned", "tab:blue", "--"),
@@ -147,7 +143,6 @@ def plot(results: dict, dense_acc: Sequence[float], seeds: Sequence[int],
   axes[1].set_title("Fine-tuned only, zoomed (dotted: routers frozen)")
   fig.tight_layout()
   fig.savefig(path, dpi=120)
-  plt.close(fig)
 
 
 def verdicts(results: dict, dense_acc: Sequence[float],

@@ -40,13 +40,11 @@ import os
 from collections.abc import Sequence
 from typing import Optional
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 import numpy as np
-from matplotlib.colors import TwoSlopeNorm  # pylint: disable=g-import-not-at-top
-from matplotlib.lines import Line2D  # pylint: disable=g-import-not-at-top
+from matplotlib.colors import TwoSlopeNorm
+from matplotlib.lines import Line2D
+
+from vmoe_ext.reporting.figures import subplots
 
 MU_RANGE = (-1.2, 1.2)
 GS_RANGE = (-0.5, 4.5)
@@ -114,7 +112,7 @@ def stable_interval(mu: float, n: int = 100_001
 def plot(mu: np.ndarray, gs: np.ndarray, radius: np.ndarray,
          out: str) -> None:
   """Heatmap of log10 rho(A) with the analytic and numerical boundaries."""
-  fig, ax = plt.subplots(figsize=(7, 5))
+  fig, ax = subplots(figsize=(7, 5))
   log_rho = np.clip(np.log10(np.maximum(radius, 1e-12)), -0.3, 0.3)
   image = ax.imshow(log_rho, origin="lower", aspect="auto",
                     extent=(*MU_RANGE, *GS_RANGE), cmap="RdBu_r",
@@ -152,7 +150,6 @@ def plot(mu: np.ndarray, gs: np.ndarray, radius: np.ndarray,
   fig.tight_layout()
   os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
   fig.savefig(out, dpi=120)
-  plt.close(fig)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> str:
