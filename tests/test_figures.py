@@ -38,10 +38,12 @@ def _writers(tmp_path):
           {"layer_1/expert_load": [0.25, 0.75]}, p),
       "bars": lambda p: report_parts.bar_chart({"a": 1.0, "b": 2.0}, p,
                                                ylabel="y", title="t"),
-      "apgd": lambda p: autoattack_report._plot(  # pylint: disable=protected-access
+      # pylint: disable=protected-access
+      "apgd": lambda p: autoattack_report._plot(
           {"apgd-ce": np.array([1.0, 0.5])}, p),
-      "sweep": lambda p: robustness._plot_sweep(  # pylint: disable=protected-access
+      "sweep": lambda p: robustness._plot_sweep(
           [0.0, 0.1], [0.9, 0.1], {"layer_1": [0.0, 0.3]}, "PGD", p),
+      # pylint: enable=protected-access
       "maps": lambda p: routing_plots.plot_expert_maps(
           images, maps, {"layer_1": 2}, p),
       "tsne": lambda p: routing_plots.plot_tsne(
