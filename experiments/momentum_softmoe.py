@@ -18,6 +18,9 @@ experts of 4 slots), every other hyper-parameter shared:
 The paper runs only heavy-ball on SoftMoE; robust and Adam are included to
 see whether the V-MoE ordering carries over. All use the `vmoe_reference`
 layout. Writes ROOT/momentum_softmoe.md and ROOT/momentum_softmoe_{regime}.png.
+About 28 minutes on the 2-core CPU with `--jobs 2` once
+`routers_softmoe.py`'s `soft_moe` runs exist (the sum of its runs' own
+times over two; the committed run was interrupted and resumed).
 """
 
 from __future__ import annotations
