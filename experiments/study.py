@@ -296,9 +296,11 @@ def results_table(runs: dict, regime: str, candidates: Sequence[Candidate],
 
 def _num(x: float, sign: str = "") -> str:
   """Two decimals, or two significant digits below 0.1 (small metrics);
-  float rounding (|x| < 1e-9) prints as 0."""
+  float rounding (|x| < 1e-9) prints as 0. The choice is made on the value
+  rounded to two significant digits, so 0.0999... prints as 0.10, not 0.1."""
   x = 0.0 if abs(x) < 1e-9 else x
-  return f"{x:{sign}.2f}" if abs(x) >= 0.1 or x == 0 else f"{x:{sign}.2g}"
+  small = abs(float(f"{x:.2g}")) < 0.1
+  return f"{x:{sign}.2g}" if small and x != 0 else f"{x:{sign}.2f}"
 
 
 def claims_table(runs: dict, regime: str, claims: Sequence[Claim],

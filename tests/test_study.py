@@ -149,6 +149,21 @@ def test_claims_table_pairs_by_seed():
                        "% | +2.00 ± 1.00 (se 0.58) | reproduced |")
 
 
+@pytest.mark.parametrize("x,sign,expected", [
+    (2.0, "+", "+2.00"),
+    (0.1, "", "0.10"),
+    (0.1 - 1e-12, "", "0.10"),      # A std of 0.1 after float rounding.
+    (0.09949, "", "0.099"),
+    (-0.0995, "+", "-0.10"),        # Rounds up to 0.10: two decimals.
+    (0.05, "", "0.05"),
+    (0.0019, "", "0.0019"),
+    (1e-12, "+", "+0.00"),          # Float noise prints as zero.
+])
+def test_numbers_keep_two_decimals_or_two_significant_digits(x, sign,
+                                                            expected):
+  assert study._num(x, sign) == expected  # pylint: disable=protected-access
+
+
 def test_build_config_applies_candidate_and_regime():
   candidate = study.Candidate(
       "lm", "cosine_lm", "default",
