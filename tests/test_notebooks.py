@@ -16,6 +16,7 @@ import pathlib
 import warnings
 
 import matplotlib
+import matplotlib.pyplot as plt
 import nbformat
 import numpy as np
 import pytest
@@ -32,9 +33,15 @@ SMALL_SWITCH = "VMOE_EXT_NOTEBOOK_SMALL"
 def test_notebook_runs(path):
   cells = json.loads(path.read_text())["cells"]
   namespace: dict = {}
-  for cell in cells:
-    if cell["cell_type"] == "code":
-      exec(compile("".join(cell["source"]), f"{path.name}", "exec"), namespace)
+  open_before = set(plt.get_fignums())
+  try:
+    for cell in cells:
+      if cell["cell_type"] == "code":
+        exec(compile("".join(cell["source"]), f"{path.name}", "exec"),
+             namespace)
+  finally:  # A notebook shows its figures inline; here nobody closes them.
+    for number in set(plt.get_fignums()) - open_before:
+      plt.close(number)
   if path.name == "quickstart.ipynb":
     # The routing it shows is the model's: selections cover B*T tokens x K.
     for sel in namespace["selected"].values():
