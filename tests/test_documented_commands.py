@@ -3,8 +3,9 @@ in a code block parses and resolves: its config file and argument exist, its
 flags are the binary's and every `--config.FIELD=VALUE` names a field with a
 valid value. Checked through the binary's own flag path (`parse_flags`'
 steps), config resolution and the model's checks (`validate_config`), in
-one process, without training (running each would take minutes). A command whose only problem is data that is not
-on this machine (a `data_dir`, a checkpoint) must fail on exactly that field.
+one process, without training (running each would take minutes). A command
+whose only problem is data that is not on this machine (a `data_dir`, a
+checkpoint) must fail on exactly that field.
 CI runs the commands themselves, shortened to a few steps:
 `tests/run_documented_commands.py`.
 """
