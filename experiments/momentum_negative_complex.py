@@ -22,7 +22,7 @@ CPU with `--jobs 2` once `momentum_vmoe.py`'s runs exist.
 
 from __future__ import annotations
 
-from momentum_extensions import BASELINES, METRICS
+from momentum_extensions import BASELINES, METRICS, QUICK
 from study import Candidate, Claim, parse_args, run_experiment
 
 CANDIDATES = BASELINES + (
@@ -31,7 +31,6 @@ CANDIDATES = BASELINES + (
     Candidate("momentum_complex", "complex momentum", "momentum",
               "complex"),
 )
-QUICK = ("noisy_topk", "momentum_heavy_ball")
 
 CLAIMS = (
     Claim("MomentumSMoE Table 9 (LM test PPL 35.55 → 35.09)",
