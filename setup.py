@@ -37,6 +37,12 @@ setup(
         "pillow>=10",
     ],
     extras_require={
+        # JAX for an accelerator (docs/install.md): NVIDIA's CUDA and cuDNN
+        # as pip wheels for a CUDA 13 or CUDA 12 driver, or a Cloud TPU VM.
+        # The plain `jax` above runs on the CPU only.
+        "cuda13": ["jax[cuda13]>=0.10"],
+        "cuda12": ["jax[cuda12]>=0.10"],
+        "tpu": ["jax[tpu]>=0.10"],
         # Reading TFDS datasets prepared as array_record (no TensorFlow needed;
         # tfrecord-prepared datasets also need `pip install tensorflow-cpu`).
         # grain: the streaming training pipeline (vmoe_ext/data/streaming.py).
