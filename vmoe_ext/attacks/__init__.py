@@ -12,7 +12,9 @@ ever called on `[B, ...]` batches, as the clean evaluation is: capacity-based
 MoE routing couples the images of a routing group, so clean and attacked
 accuracy must be measured with the same batching. See `base` for the
 conventions, each module for its update rule, and `registry` for the
-contract a new attack follows (one module plus one line in `ATTACKS`).
+contract a new attack follows (one module plus one line in `ATTACKS`; from
+a module of your own, a "package.module:attr" config name or
+`register_attack`, docs/extending.md).
 """
 
 from vmoe_ext.attacks.base import cross_entropy, margin_loss
@@ -20,8 +22,9 @@ from vmoe_ext.attacks.fast_gradient import fgsm
 from vmoe_ext.attacks.gradient_free import spsa, spsa_gradient
 from vmoe_ext.attacks.projected_gradient import pgd
 from vmoe_ext.attacks.registry import (ATTACKS, CALL_ARGS, AttackSpec,
-                                       get_attack, make_attack)
+                                       as_attack_spec, get_attack,
+                                       make_attack, register_attack)
 
-__all__ = ["ATTACKS", "AttackSpec", "CALL_ARGS", "cross_entropy", "fgsm",
-           "get_attack", "make_attack", "margin_loss", "pgd", "spsa",
-           "spsa_gradient"]
+__all__ = ["ATTACKS", "AttackSpec", "CALL_ARGS", "as_attack_spec",
+           "cross_entropy", "fgsm", "get_attack", "make_attack",
+           "margin_loss", "pgd", "register_attack", "spsa", "spsa_gradient"]

@@ -1,6 +1,11 @@
-"""Residual streams across blocks, looked up by config name."""
+"""Residual streams across blocks, looked up by config name in `STREAMS`.
 
-from typing import Any, Mapping
+A new stream is one new module plus one line in `STREAMS`, or, from a
+module of your own, a `"package.module:Class"` config name or one
+`register_stream` call (docs/extending.md).
+"""
+
+from typing import Any, Mapping, Union
 
 from vmoe_ext.registry import Registry
 from vmoe_ext.streams.base import ResidualStream
@@ -15,7 +20,25 @@ STREAMS = Registry("stream", {
     "rmsprop": "vmoe_ext.streams.rmsprop:RmsPropSMoE",
     "sam": "vmoe_ext.streams.sam:SharpnessAwareSMoE",
     "complex_momentum": "vmoe_ext.streams.complex_momentum:ComplexMomentum",
-})
+}, base=ResidualStream)
+
+
+def register_stream(name: str, cls: Union[type, str], *,
+                    override: bool = False) -> None:
+  """Makes `model.stream.name=name` select `cls`.
+
+  Args:
+    name: the config name (no ":").
+    cls: a `ResidualStream` subclass (checked now), or its
+      "package.module:Class" path (imported and checked when first used).
+    override: replace a stream registered under `name` (a built-in too);
+      without it a taken name raises ValueError.
+
+  Raises:
+    TypeError: `cls` is not a `ResidualStream` subclass.
+    ValueError: `name` is taken (and not `override`) or contains ":".
+  """
+  STREAMS.register(name, cls, override=override)
 
 
 def build_stream(config: Mapping[str, Any]) -> ResidualStream:
@@ -23,4 +46,4 @@ def build_stream(config: Mapping[str, Any]) -> ResidualStream:
   return STREAMS.build(config)
 
 
-__all__ = ["ResidualStream", "STREAMS", "build_stream"]
+__all__ = ["ResidualStream", "STREAMS", "build_stream", "register_stream"]
