@@ -17,6 +17,7 @@ import pytest
 
 from vmoe_ext.attacks import autoattack as AA
 from vmoe_ext.attacks import base, make_attack
+from vmoe_ext.attacks import square as SQ
 from vmoe_ext.data import ArrayDataset, load_dataset
 from vmoe_ext.errors import ConfigError
 from vmoe_ext.evaluate.robustness import evaluate_robustness
@@ -129,9 +130,88 @@ def test_rand_version_averages_stochastic_passes():
   assert calls and not any(calls)  # The standard version: deterministic.
 
 
+# -- Square's settings in the ensemble against the released AutoAttack -------
+
+
+def released_p_selection(it, p_init=0.8):
+  """fra31/auto-attack `SquareAttack.p_selection` with `resc_schedule=False`
+  (the standard version's), transcribed."""
+  if 10 < it <= 50:
+    return p_init / 2
+  elif 50 < it <= 200:
+    return p_init / 4
+  elif 200 < it <= 500:
+    return p_init / 8
+  elif 500 < it <= 1000:
+    return p_init / 16
+  elif 1000 < it <= 2000:
+    return p_init / 32
+  elif 2000 < it <= 4000:
+    return p_init / 64
+  elif 4000 < it <= 6000:
+    return p_init / 128
+  elif 6000 < it <= 8000:
+    return p_init / 256
+  elif 8000 < it:
+    return p_init / 512
+  return p_init
+
+
+W12 = jax.random.normal(jax.random.key(5), (16, 12))
+
+
+def linear12(x):
+  """12 classes: enough for APGD-T's and FAB-T's 9 target classes."""
+  return x.reshape(x.shape[0], -1) @ W12
+
+
+@pytest.mark.parametrize("config,rescale", [
+    ({"name": "autoattack", "eps": 0.03}, False),
+    ({"name": "autoattack", "eps": 0.03, "square_rescale_schedule": True},
+     True)])
+def test_standard_square_runs_the_released_schedule(monkeypatch, config,
+                                                    rescale):
+  """The config a user writes builds Square as the released standard
+  version: p_init 0.8, 5,000 queries, `p` halving after iterations 10, 50,
+  200, 500, 1000, 2000, 4000 (`resc_schedule=False`); the option restores
+  the stretched schedule (halving after 5, 25, 100, ...)."""
+  runs, schedules = [], []
+  real_run, real_starts = AA.square_run, SQ.level_starts
+
+  def square_run(*args, **kwargs):
+    runs.append(kwargs)
+    return real_run(*args, **kwargs)
+
+  def level_starts(queries, rescale_schedule):
+    schedules.append(real_starts(queries, rescale_schedule))
+    return schedules[-1]
+
+  monkeypatch.setattr(AA, "square_run", square_run)
+  monkeypatch.setattr(SQ, "level_starts", level_starts)
+  x = jax.random.uniform(jax.random.key(6), (2, 4, 4, 1))
+  labels = jnp.argmax(linear12(x), -1).astype(jnp.int32)
+  attack = make_attack(config)
+  jax.eval_shape(lambda z, y, k: attack(linear12, z, y, k), x, labels,
+                 jax.random.key(0))  # Traces the whole standard chain.
+  assert len(runs) == 1 and len(schedules) == 1
+  assert {k: runs[0][k] for k in ("norm", "queries", "p_init")} == dict(
+      norm="linf", queries=5000, p_init=0.8)
+  assert runs[0]["rescale_schedule"] is rescale
+  # First iteration of each halving (levels never reached start at 4999,
+  # the end of the 4,999 iterations after the init).
+  hand = ((6, 26, 101, 251, 501, 1001, 2001, 3001, 4001) if rescale else
+          (11, 51, 201, 501, 1001, 2001, 4001, 4999, 4999))
+  assert schedules[0] == hand
+  if not rescale:  # Iteration by iteration, the released p_selection.
+    starts = np.asarray(schedules[0])
+    got = [0.8 / 2 ** int(np.sum(i >= starts)) for i in range(4999)]
+    assert got == [released_p_selection(i) for i in range(4999)]
+
+
 @pytest.mark.parametrize("field,value", [
     ("version", "plus"), ("attacks", ("apgd-ce", "pgd")),
-    ("attacks", ("square", "square")), ("queries", 0), ("schedule", "x")])
+    ("attacks", ("square", "square")), ("queries", 0), ("schedule", "x"),
+    ("square_rescale_schedule", 1)])
 def test_config_errors_name_the_field(field, value):
   with pytest.raises(ConfigError) as e:
     make_attack({"name": "autoattack", "eps": 0.1, field: value})

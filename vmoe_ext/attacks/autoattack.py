@@ -11,10 +11,20 @@ broken sit at their adversarial points in every model call (capacity-based
 MoE routing couples the images of a batch: the batch is never split). After
 each attack the batch is evaluated once (deterministically); an example
 counts as broken from the first attack under which it is misclassified, and
-robust accuracy is the fraction correct under all of them. The settings are
-AutoAttack's standard version: APGD 100 iterations, 1 restart; APGD-T and
-FAB-T over the 9 classes ranked 2..10 by the clean logits, 100 iterations
-each; Square 5,000 queries with p_init 0.8.
+robust accuracy is the fraction correct under all of them.
+
+The settings are the released AutoAttack's (fra31/auto-attack,
+`AutoAttack.__init__` and `set_version`, what RobustBench runs): APGD 100
+iterations, 1 restart; APGD-T and FAB-T over the 9 classes ranked 2..10 by
+the clean logits, 100 iterations each, 1 restart; Square with `p_init` 0.8,
+1 restart, 5,000 queries and `resc_schedule=False`: its `p` halves after
+iterations 10, 50, 200, 500, 1000, 2000, 4000 (6000, 8000: beyond the
+budget), not on the schedule stretched to the budget (square attack's own
+default, `square(rescale_schedule=True)`). `square_rescale_schedule=True`
+runs the ensemble's Square on that stretched schedule instead (halving
+after iterations 5, 25, 100, ... of 5,000). Square's draws are per image
+(`vmoe_ext.attacks.square`, its differences from the released code). The
+rand version runs no Square (APGD-CE, APGD-DLR, 1 restart, EOT 20).
 
 `x_adv` per example: the point of the attack that broke it, else the last
 attack's best point (APGD: the highest loss; Square: the lowest margin; FAB
@@ -47,9 +57,11 @@ VERSIONS = {"standard": ("apgd-ce", "apgd-t", "fab-t", "square"),
             "rand": ("apgd-ce", "apgd-dlr")}
 STAGES = ("apgd-ce", "apgd-dlr", "apgd-t", "fab-t", "square")
 WHITE_BOX = ("apgd-ce", "apgd-dlr", "apgd-t", "fab-t")
-# FAB-T's and Square's settings in the standard version.
+# FAB-T's and Square's settings in the standard version (the released
+# `SquareAttack(p_init=.8, n_queries=5000, n_restarts=1, resc_schedule=False)`:
+# `rescale_schedule` is the `square_rescale_schedule` field, False there).
 FAB = dict(restarts=1, alpha_max=0.1, eta=1.05, beta=0.9)
-SQUARE = dict(p_init=0.8, rescale_schedule=True)
+SQUARE = dict(p_init=0.8)
 
 
 def stages_of(version: str, attacks: Optional[tuple[str, ...]]
@@ -59,7 +71,8 @@ def stages_of(version: str, attacks: Optional[tuple[str, ...]]
 
 
 def _stage(name: str, *, norm, steps, target_classes, queries, eot_iter,
-           schedule) -> Callable[..., tuple[Array, dict]]:
+           schedule, square_rescale_schedule
+           ) -> Callable[..., tuple[Array, dict]]:
   """`run(logits_fn, x0, labels, key, x_start, done, eps, clip_min,
   clip_max) -> (x_out, info)` of one attack of the ensemble."""
   if name.startswith("apgd"):
@@ -71,14 +84,16 @@ def _stage(name: str, *, norm, steps, target_classes, queries, eot_iter,
   if name == "fab-t":
     return functools.partial(fab_run, norm=norm, steps=steps,
                              target_classes=target_classes, **FAB)
-  return functools.partial(square_run, norm=norm, queries=queries, **SQUARE)
+  return functools.partial(square_run, norm=norm, queries=queries,
+                           rescale_schedule=square_rescale_schedule, **SQUARE)
 
 
 def autoattack_run(logits_fn: base.LogitsFn, x0: Array, labels: Array,
                    key: Array, eps: Any, clip_min: Any, clip_max: Any, *,
                    stages: tuple[str, ...], norm: str, steps: int,
                    target_classes: int, queries: int, eot_iter: int,
-                   schedule: str) -> tuple[Array, dict[str, Array]]:
+                   schedule: str, square_rescale_schedule: bool = False
+                   ) -> tuple[Array, dict[str, Array]]:
   """The ensemble on one batch; returns `(x_adv [B, ...], details)` (see
   `run_chain`). `eot_iter > 1`: the APGD attacks average their gradients
   over that many stochastic passes."""
@@ -87,7 +102,9 @@ def autoattack_run(logits_fn: base.LogitsFn, x0: Array, labels: Array,
     eot = eot_iter if name.startswith("apgd") else 1
     runs.append((name, _stage(name, norm=norm, steps=steps,
                               target_classes=target_classes, queries=queries,
-                              eot_iter=eot, schedule=schedule)))
+                              eot_iter=eot, schedule=schedule,
+                              square_rescale_schedule=square_rescale_schedule
+                              )))
   return run_chain(logits_fn, x0, labels, key, eps, clip_min, clip_max, runs)
 
 
@@ -136,6 +153,7 @@ def autoattack(logits_fn: base.LogitsFn, x: Array, labels: Array, *,
                attacks: Optional[tuple[str, ...]] = None, steps: int = 100,
                target_classes: int = 9, queries: int = 5000,
                eot_iter: int = 20, schedule: str = "paper",
+               square_rescale_schedule: bool = False,
                clip_min: float = 0.0, clip_max: float = 1.0) -> Array:
   """AutoAttack; returns `x_adv [B, ...]` (same shape and dtype as `x`).
 
@@ -160,6 +178,9 @@ def autoattack(logits_fn: base.LogitsFn, x: Array, labels: Array, *,
     eot_iter: EOT samples per APGD gradient in the "rand" version (20).
     schedule: APGD's checkpoint schedule, "paper" or "autoattack" (see
       `vmoe_ext.attacks.apgd`).
+    square_rescale_schedule: Square's `p` schedule stretched to `queries`
+      (the square attack's own default); False (the released AutoAttack's
+      standard version): halving after iterations 10, 50, 200, ...
     clip_min, clip_max: the valid range of the images.
 
   Raises:
@@ -169,11 +190,13 @@ def autoattack(logits_fn: base.LogitsFn, x: Array, labels: Array, *,
   check_autoattack(eps=eps, norm=norm, version=version, attacks=attacks,
                    steps=steps, target_classes=target_classes,
                    queries=queries, eot_iter=eot_iter, schedule=schedule,
+                   square_rescale_schedule=square_rescale_schedule,
                    clip_min=clip_min, clip_max=clip_max)
   return autoattack_details(logits_fn, x, labels, key=key, eps=eps, norm=norm,
                             version=version, attacks=attacks, steps=steps,
                             target_classes=target_classes, queries=queries,
                             eot_iter=eot_iter, schedule=schedule,
+                            square_rescale_schedule=square_rescale_schedule,
                             clip_min=clip_min, clip_max=clip_max)[0]
 
 
@@ -183,13 +206,16 @@ def autoattack_details(logits_fn: base.LogitsFn, x: Array, labels: Array, *,
                        attacks: Optional[tuple[str, ...]] = None,
                        steps: int = 100, target_classes: int = 9,
                        queries: int = 5000, eot_iter: int = 20,
-                       schedule: str = "paper", clip_min: float = 0.0,
-                       clip_max: float = 1.0) -> tuple[Array, dict]:
+                       schedule: str = "paper",
+                       square_rescale_schedule: bool = False,
+                       clip_min: float = 0.0, clip_max: float = 1.0
+                       ) -> tuple[Array, dict]:
   """`autoattack` with its per-example details (see `autoattack_run`)."""
   attacks = None if attacks is None else tuple(attacks)
   check_autoattack(eps=eps, norm=norm, version=version, attacks=attacks,
                    steps=steps, target_classes=target_classes,
                    queries=queries, eot_iter=eot_iter, schedule=schedule,
+                   square_rescale_schedule=square_rescale_schedule,
                    clip_min=clip_min, clip_max=clip_max)
   base.check_inputs(x, labels)
   base.check_key(key, True, "(random starts and Square's draws)")
@@ -197,7 +223,8 @@ def autoattack_details(logits_fn: base.LogitsFn, x: Array, labels: Array, *,
   static = dict(stages=stages, norm=norm, steps=steps,
                 target_classes=target_classes, queries=queries,
                 eot_iter=eot_iter if version == "rand" else 1,
-                schedule=schedule)
+                schedule=schedule,
+                square_rescale_schedule=square_rescale_schedule)
   return base.run_jitted(_autoattack, logits_fn, static, x, labels, key, eps,
                          clip_min, clip_max)
 
@@ -219,7 +246,8 @@ def _autoattack(logits_fn, x, labels, key, eps, clip_min, clip_max,
 
 
 def check_autoattack(*, eps, norm, version, attacks, steps, target_classes,
-                     queries, eot_iter, schedule, clip_min, clip_max) -> None:
+                     queries, eot_iter, schedule, square_rescale_schedule,
+                     clip_min, clip_max) -> None:
   """`autoattack`'s config check (the attack contract, `attacks.registry`):
   every config field, keyword-only; ConfigError naming "attack.<field>"."""
   require(version in VERSIONS, "attack.version",
@@ -237,6 +265,7 @@ def check_autoattack(*, eps, norm, version, attacks, steps, target_classes,
              target_classes=target_classes, rho=0.75, eot_iter=eot_iter,
              schedule=schedule, clip_min=clip_min, clip_max=clip_max)
   base.check_int(queries, "attack.queries", 1)
+  base.check_bool(square_rescale_schedule, "attack.square_rescale_schedule")
   require(schedule in SCHEDULES, "attack.schedule",
           f"must be one of {SCHEDULES}, got {schedule!r}")
 

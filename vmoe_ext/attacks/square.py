@@ -257,7 +257,8 @@ def square(logits_fn: base.LogitsFn, x: Array, labels: Array, *, eps: float,
       clean check costs one more call on the batch.
     p_init: fraction of the image the first squares cover, in (0, 1].
     rescale_schedule: stretch the `p` schedule (made for 10,000 queries) to
-      `queries`.
+      `queries` (the released `SquareAttack`'s default; the released
+      AutoAttack's standard version runs False: `autoattack`).
     clip_min, clip_max: the valid range of the images.
 
   Raises:
