@@ -18,7 +18,10 @@ the *data* (the tokens before dispatch, the expert outputs before combine) to
 bfloat16, as google's vmoe `Bfloat16Dispatcher` does (its configs ask for it;
 its SoftMoE router always does): the dispatch/combine weights stay float32
 and the contractions accumulate in float32, so the result is the exact
-float32 dispatch/combine of bfloat16-rounded data (`RoundedDispatcher`).
+float32 dispatch/combine of bfloat16-rounded data (`RoundedDispatcher`). The
+gradients follow vmoe's too: where vmoe dispatches with a boolean tensor
+(token and expert choice) its dispatch einsum runs in bfloat16, so each
+slot's cotangent is rounded to bfloat16 before a token's slots are summed.
 
 Capacity rules for token choice (as vmoe): buffers are filled choice-major —
 every token's first choice before any token's second choice — and, within one
@@ -180,12 +183,25 @@ class RoundedDispatcher:
   vmoe's `Bfloat16Dispatcher`: `dispatch(x)` is the wrapped dispatch of
   `x` rounded to `dtype`, `combine(y)` the wrapped combine of `y` rounded;
   the wrapped dispatcher's weights and accumulation stay in `x`'s dtype.
+
+  `copies_tokens` (token and expert choice: every slot holds one token or
+  zeros) also rounds the dispatched buffers `[E, G*C, D]`: a no-op forward
+  (they hold rounded tokens), but in the backward pass each slot's
+  cotangent is rounded to `dtype` before the slots of a token are summed
+  (in `x`'s dtype, then rounded once more by the input's rounding). That is
+  vmoe's dispatch `einsum("GSEC,GSD->GECD", bool_weights, bf16_data)`,
+  which runs in bfloat16 (accumulating in float32, rounding its output),
+  its output cast back to float32. vmoe's SoftMoE dispatch weights are
+  float32, its dispatch einsum float32: no slot rounding there.
   """
   dispatcher: Dispatcher
   dtype: Any = flax.struct.field(pytree_node=False)
+  copies_tokens: bool = flax.struct.field(pytree_node=False, default=False)
 
   def dispatch(self, x: Array) -> Array:
-    return self.dispatcher.dispatch(round_to(x, self.dtype))
+    """`[G, S, D] -> [E, G*C, D]` of `x` rounded (see the class docstring)."""
+    out = self.dispatcher.dispatch(round_to(x, self.dtype))
+    return round_to(out, self.dtype) if self.copies_tokens else out
 
   def combine(self, y: Array) -> Array:
     return self.dispatcher.combine(round_to(y, self.dtype))
@@ -349,7 +365,8 @@ def make_dispatch_plan(routing: Routing,
     kind: "einsum" or "indices".
     batch_priority: batch-priority routing (token choice only).
     dtype: None, or the dtype the data is rounded to around dispatch and
-      combine (`RoundedDispatcher`; the weights stay float32).
+      combine (`RoundedDispatcher`; the weights stay float32). None and
+      float32 return the plain plan.
   """
   del group_size
   DISPATCHERS.check(kind, field="dispatcher")
@@ -359,4 +376,5 @@ def make_dispatch_plan(routing: Routing,
   plan = planner(routing, num_experts, capacity, kind, batch_priority)
   if dtype is None or jnp.dtype(dtype) == jnp.float32:
     return plan
-  return plan.replace(dispatcher=RoundedDispatcher(plan.dispatcher, dtype))
+  return plan.replace(dispatcher=RoundedDispatcher(
+      plan.dispatcher, dtype, copies_tokens=plan.copies_tokens))

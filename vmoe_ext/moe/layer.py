@@ -77,7 +77,10 @@ class MoeLayer(nn.Module):
       rounded to bfloat16 around dispatch and combine (the tokens before
       dispatch, the expert outputs before combine) while the dispatch/combine
       weights and the contractions stay float32, as vmoe's
-      `Bfloat16Dispatcher` (its configs ask for it; its SoftMoE always does).
+      `Bfloat16Dispatcher` (its configs ask for it; its SoftMoE always does);
+      the gradients as vmoe's too (token and expert choice: each slot's
+      cotangent rounded before a token's slots are summed,
+      `vmoe_ext.moe.dispatch.RoundedDispatcher`).
     shared_experts: N_s, experts every token goes through with weight 1
       (DeepSeekMoE, CMoE), added to the routed output; held together as one
       dense MLP `SharedMlp` of width `N_s * hidden_size`, outside routing,
@@ -195,7 +198,8 @@ class MoeLayer(nn.Module):
       require(self.group_size in (None, t), "moe.group_size",
               f"router {type(self.router).__name__} mixes the tokens of a "
               f"group, so a group must be one image (S = T = {t}); got "
-              f"{self.group_size}")
+              f"{self.group_size}: set it to {t} or None (one image per "
+              "group)")
     if self.router.needs_previous:
       require(ctx.previous is not None, "moe.router.name",
               f"router {type(self.router).__name__} reads the previous MoE "
