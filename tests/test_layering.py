@@ -29,12 +29,16 @@ LAYERS = (
     ("moe", "interop", "data", "attacks"),
     ("routers", "streams", "sharding"),
     ("models", "reporting"),
+    ("carving",),
     ("train",),
-    ("evaluate", "carving"),
+    ("evaluate",),
     ("app",),
     ("main",),
 )
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+# Packages of algorithms (routing, dispatch, attacks, carving): what the
+# training package runs, never what imports it (no exception).
+ALGORITHMS = ("moe", "routers", "streams", "attacks", "carving")
 ENTRY_POINTS = ("vmoe_ext.config", "vmoe_ext.moe", "vmoe_ext.models",
                 "vmoe_ext.app.schema", "vmoe_ext.main")
 
@@ -106,6 +110,29 @@ def test_dependencies_run_one_way():
                          f"{RANK[other]} {other!r} is not below layer "
                          f"{RANK[own]} {own!r}")
   assert not offenders, "\n".join(offenders)
+
+
+def test_algorithm_packages_never_import_train():
+  # Implied by LAYERS; checked on its own so that moving a package up the
+  # table cannot let an algorithm reach into the training package.
+  assert all(RANK[name] < RANK["train"] for name in ALGORITHMS)
+  offenders = [f"{module} imports {target}"
+               for module, imports in sorted(IMPORTS.items())
+               if _package(module) in ALGORITHMS
+               for target, _ in imports if _package(target) == "train"]
+  assert not offenders, "\n".join(offenders)
+
+
+def test_the_checkpoint_reader_reads_what_training_writes():
+  # The reader moved below `train` (`interop.checkpoint_params`) names the
+  # orbax item itself; it must be the one `train.checkpoints` writes, and
+  # the old import path must give the same functions.
+  from vmoe_ext.interop import checkpoint_params as reader
+  from vmoe_ext.train import checkpoint_params as old_path
+  from vmoe_ext.train import checkpoints
+  assert reader.STATE == checkpoints.STATE == "state"
+  for name in old_path.__all__:
+    assert getattr(old_path, name) is getattr(reader, name), name
 
 
 def test_no_package_level_cycle():

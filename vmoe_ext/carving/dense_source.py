@@ -22,8 +22,8 @@ from vmoe_ext.data import default_normalization, eval_batches
 from vmoe_ext.data.dataset import ArrayDataset
 from vmoe_ext.data.stream_eval import StreamingEvalSplit
 from vmoe_ext.errors import require
+from vmoe_ext.interop import checkpoint_params as ckpt_params
 from vmoe_ext.naming import param_name
-from vmoe_ext.train import checkpoint_params as ckpt_params
 
 
 def carved_config(config: ml_collections.ConfigDict

@@ -56,6 +56,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from vmoe_ext.errors import require
+from vmoe_ext.interop.checkpoint_params import STATE
 from vmoe_ext.sharding.multihost import is_main_process
 from vmoe_ext.train.fingerprint import (check_fingerprint, config_fingerprint,
                                         fingerprint_diff, normalise_json,
@@ -64,7 +65,7 @@ from vmoe_ext.train.orbax_quiet import (is_io_failure, join_threads,
                                         orbax_threads, os_errno, quiet_orbax,
                                         release_abandoned_tasks, short_reason)
 
-STATE, EXTRA, FINGERPRINT = "state", "extra", "fingerprint"
+EXTRA, FINGERPRINT = "extra", "fingerprint"  # STATE: the params reader's.
 PURPOSES = ("resume", "evaluate")
 
 
