@@ -369,6 +369,28 @@ CASES: list[Case] = [
     on_devices(8, "sharding.shape=(8,1)", "data.eval_batch_size=80",
                "sharding.rules=(('/Moe/Mlp/',(None,None,None,'data')),)",
                field="sharding.rules[0][1]"),
+    # command-line trip-ups: list items in either spelling, values of the
+    # wrong type, a switched router whose groups no longer fit, alternatives
+    flag("robustness.attacks.0.eps=-0.1", "robustness.attacks[0].eps"),
+    flag("robustness.attacks[0].eps=-0.1"),
+    flag("robustness.attacks[9].eps=0.1", "robustness.attacks[9]"),
+    flag("robustness.attacks[0].epz=0.1"),
+    flag("robustness.attacks[0].eps=abc"),
+    flag("train.total_steps=1e3"),
+    flag("robustness=none"),
+    flag("robustness.attacks={'name':'fgsm','eps':0.03}",
+         "robustness.attacks"),
+    flag("model.moe.layers=(5,)"),    # the file's every=2 gives way
+    # Groups of 2 images; SoftMoE routes one. Raised while the model is
+    # traced: passes once that trace is scoped to "model".
+    flag("model.moe.router.name=soft", "model.moe.group_size"),
+    Case("config=configs/defualt.py", ("--config=configs/defualt.py",),
+         "--config"),
+    config_file("attack-pgd-eps-before-steps", 'c.robustness.attacks = '
+                '(dict(name="pgd", eps=-0.1),)', "robustness.attacks[0].eps"),
+    config_file("attacks-one-dict", 'r = c.robustness.to_dict()\n'
+                'r["attacks"] = dict(name="fgsm", eps=0.1)\nc.robustness = r',
+                "robustness.attacks"),
     # overrides that must parse (documented fields absent from tiny.py or
     # whose default is None); each then fails on model.num_heads=0
     valid("robustness.num_examples=200"),
@@ -404,6 +426,11 @@ CASES: list[Case] = [
     valid("model.moe.output_bias=once"),
     valid("train.mixup.concentration=0.2"),
     valid("train.mixup.granularity=example"),
+    valid("model.moe.router.name=cosine"),   # its own defaults (noise 0)
+    valid("model.moe.router.name=top_p"),    # its own cap, no load loss
+    valid("model.moe.layers=(1,)"),
+    valid("robustness.attacks[1].steps=3"),
+    valid("robustness.attacks.0.num_examples=10"),
 ]
 
 

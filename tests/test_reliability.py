@@ -171,24 +171,33 @@ def test_a_quick_run_needs_two_overrides():
 
 
 def test_a_router_switched_from_the_command_line_drops_its_own_fields():
-  """noisy top-k's fields that expert choice lacks are dropped with one
-  note; the fields both know keep the file's values."""
+  """noisy top-k's fields that expert choice lacks are dropped, and those it
+  defaults differently take its default, with one note each; the fields
+  both default alike keep the file's values."""
   config, notes = _through_the_flags("default", [
       "prog", "--config.model.moe.router.name=expert_choice"])
+  was = "the config file's {} (for noisy_topk) is "
   assert notes == [
-      "model.moe.router: overriding model.moe.router.name leaves out "
-      "importance_loss_weight, load_loss_weight, num_selected (set by the "
-      "config file for the previous choice): dropped"]
+      "model.moe.router.importance_loss_weight: " + was.format(0.005) +
+      "dropped: expert_choice has no such field",
+      "model.moe.router.load_loss_weight: " + was.format(0.005) +
+      "dropped: expert_choice has no such field",
+      "model.moe.router.noise_std: " + was.format(1.0) + "not carried over "
+      "to expert_choice; it takes expert_choice's default 0.0",
+      "model.moe.router.num_selected: " + was.format(2) +
+      "dropped: expert_choice has no such field"]
   router = config.model.moe.router
-  assert router.name == "expert_choice" and router.noise_std == 1.0
+  assert router.name == "expert_choice" and router.noise_std == 0.0
   assert "num_selected" not in router
-  # A field the new router knows, set with the switch, is kept.
+  # A field the new router knows, set with the switch, is kept; top-p's cap
+  # and load loss are its own.
   config, notes = _through_the_flags("default", [
       "prog", "--config.model.moe.router.name=top_p",
       "--config.model.moe.router.threshold=0.2"])
-  assert not notes
-  assert (config.model.moe.router.threshold,
-          config.model.moe.router.importance_loss_weight) == (0.2, 0.005)
+  assert len(notes) == 2
+  router = config.model.moe.router
+  assert (router.threshold, router.importance_loss_weight,
+          router.num_selected, router.load_loss_weight) == (0.2, 0.005, 4, 0.0)
 
 
 def test_floats_beyond_float32_are_config_errors():

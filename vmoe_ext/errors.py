@@ -15,7 +15,11 @@ handed to a metric) are plain `ValueError`/`TypeError`s, never
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+import re
+from typing import Any, Iterator, Sequence, Union
+
+Part = Union[str, int]  # A field name, or a list index.
+_PART = re.compile(r"([^\[\]]*)((?:\[\d+\])*)")
 
 
 class ConfigError(ValueError):
@@ -49,6 +53,37 @@ def join_path(prefix: str, field: str) -> str:
   if field.startswith("["):
     return prefix + field
   return f"{prefix}.{field}"
+
+
+def split_path(path: str) -> list[Part]:
+  """`"robustness.attacks[1].eps"` (or `"robustness.attacks.1.eps"`, as a
+  command line may spell it) -> `["robustness", "attacks", 1, "eps"]`.
+
+  Raises:
+    ConfigError on `path` when it is not a dotted path.
+  """
+  parts: list[Part] = []
+  for i, piece in enumerate(path.split(".")):
+    match = _PART.fullmatch(piece)
+    name, indices = match.groups() if match else ("", "")
+    if not match or not (name or (indices and i)):
+      raise ConfigError(path, "is not a field path: fields are joined by "
+                        "dots and list items indexed, e.g. "
+                        "robustness.attacks[0].eps")
+    if name.isdigit() and i:
+      parts.append(int(name))  # `attacks.0.eps`: item 0.
+    elif name:
+      parts.append(name)
+    parts += [int(k) for k in re.findall(r"\d+", indices)]
+  return parts
+
+
+def join_parts(parts: Sequence[Part]) -> str:
+  """The path of `split_path`'s parts, list items as `[i]`."""
+  out = ""
+  for part in parts:
+    out = join_path(out, f"[{part}]" if isinstance(part, int) else part)
+  return out
 
 
 @contextlib.contextmanager

@@ -28,7 +28,7 @@ import numpy as np
 
 from vmoe_ext.app.schema import resolve_config
 from vmoe_ext.data.source import DataSource
-from vmoe_ext.errors import require
+from vmoe_ext.errors import field_scope, require
 from vmoe_ext.models import build_model
 from vmoe_ext.sharding.multihost import process_rows
 from vmoe_ext.sharding.partitioning import Partitioning
@@ -52,6 +52,18 @@ def resolved(config: Any) -> ResolvedConfig:
     return config
   return ResolvedConfig(resolve_config(config).to_dict())
 
+
+
+def abstract_variables(model: nn.Module, key: jax.Array, sample: Any) -> Any:
+  """The shapes of `model.init(key, sample)`, traced without computing.
+
+  The first trace of the model runs the checks that need the token shapes
+  (a SoftMoE router's one image per group, a router that reads the previous
+  layer): their `ConfigError`s name fields below `model`, scoped here to
+  the full path (`model.moe.group_size`).
+  """
+  with field_scope("model"):
+    return jax.eval_shape(lambda x: model.init(key, x), sample)
 
 @dataclasses.dataclass
 class RunContext:
@@ -111,7 +123,7 @@ class RunContext:
     # model (on this process's rows), straight into the state's shardings.
     init_model = self.model if self.model.expert_parallel is None else (
         self.model.clone(expert_parallel=None))
-    shapes = jax.eval_shape(lambda x: init_model.init(init_key, x), sample)
+    shapes = abstract_variables(init_model, init_key, sample)
     init = config.init
     if init is not None:  # Checked on shapes, before compiling model.init.
       check_init(init, shapes["params"])
@@ -182,7 +194,7 @@ class RunContext:
     if source is None:
       key = jax.random.key(self.config.seed)
       check_init(self.config.init,
-                 jax.eval_shape(self.model.init, key, sample)["params"])
+                 abstract_variables(self.model, key, sample)["params"])
       variables = dict(jax.jit(self.model.init)(
           key, np.zeros(image_shape, np.float32)))
       params = variables.pop("params")
@@ -190,8 +202,8 @@ class RunContext:
       params, report = load_init_params(self.config.init, params)
       self.state = TrainState.for_evaluation(params, variables, 0)
       return f"Evaluated the params {report.summary().splitlines()[0]}."
-    variables = dict(jax.eval_shape(self.model.init, jax.random.key(0),
-                                    sample))
+    variables = dict(abstract_variables(self.model, jax.random.key(0),
+                                        sample))
     params = variables.pop("params")
     variables.pop("intermediates", None)
     manager = CheckpointManager(

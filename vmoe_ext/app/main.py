@@ -5,16 +5,24 @@
 
 With no flags it runs the embedded default (`configs/default.py`: a small V-MoE
 on MNIST-5k, then the routing analysis and a short FGSM/PGD/SPSA and
-corruption evaluation) into `./runs/default` and prints the report. Every run
-ends with the routing analysis of the test split (docs/robustness.md). A
-config whose `robustness.checkpoint_dir` is set (`configs/robustness.py`) only
-evaluates that training workdir's newest checkpoint; one whose `carve` section
-is set (`configs/carve.py`) carves a dense ViT checkpoint into a V-MoE
-checkpoint (`vmoe_ext.app.carve`). The config is resolved once
+corruption evaluation) into `./runs/default` and prints the report. The
+config chooses the mode:
+
+  train          (the default) train, then run the `robustness` section's
+                 evaluation, if set.
+  evaluate-only  `robustness.checkpoint_dir` set (`configs/robustness.py`):
+                 evaluate that training workdir's newest checkpoint (or
+                 `robustness.from_init`: the params `init` loads).
+  carve          `carve` section set (`configs/carve.py`): carve a dense ViT
+                 checkpoint into a V-MoE checkpoint (`vmoe_ext.app.carve`).
+
+Every run ends with the routing analysis of the test split
+(docs/robustness.md). The config is resolved once
 (`vmoe_ext.app.schema.resolve_config`: checked, defaults filled) and each
-mode assembles its run from it (`vmoe_ext.app.context.RunContext`). Outputs in WORKDIR:
-`metrics.jsonl`, `report.md`, PNG plots, `checkpoints/`, `tensorboard/`. A
-workdir holding a checkpoint of the same config resumes it.
+mode assembles its run from it (`vmoe_ext.app.context.RunContext`).
+Outputs in WORKDIR: `metrics.jsonl`, `report.md`, PNG plots, `checkpoints/`,
+`tensorboard/`. A workdir holding a checkpoint of the same config resumes it.
+`--help` prints this text and the flags.
 
 Exit status, one per kind, each with one paragraph on stderr and no
 traceback (unless `--debug`):
@@ -40,6 +48,7 @@ import os
 import re
 import signal
 import sys
+import textwrap
 import traceback
 import warnings
 from typing import NoReturn, Sequence
@@ -52,9 +61,10 @@ from vmoe_ext.app.carve import carve_checkpoint
 from vmoe_ext.app.context import resolved
 from vmoe_ext.app.evaluate import evaluate_checkpoint, output_dir
 from vmoe_ext.app.memory import check_attack_memory
-from vmoe_ext.app.schema import CONFIG
+from vmoe_ext.app.schema import ALTERNATIVES, CONFIG
 from vmoe_ext.app.train import train_and_evaluate
-from vmoe_ext.config.overrides import prepare_overrides, take_none_overrides
+from vmoe_ext.config.overrides import (flag_error, prepare_overrides,
+                                      take_none_overrides)
 from vmoe_ext.errors import ConfigError, InputError
 from vmoe_ext.evaluate.datasets import check_prepared
 from vmoe_ext.evaluate.final import after_training_hook
@@ -103,18 +113,56 @@ def _split_config_flag(argv: Sequence[str]) -> tuple[str, list[str]]:
   return value, rest
 
 
+_HELP_FLAGS = ("--help", "-help", "-h", "-?", "--help=true", "--help=True")
+_FLAG_NAMES = {"workdir": "=DIR", "debug": "", "coordinator_address":
+               "=HOST:PORT", "num_processes": "=N", "process_id": "=I",
+               "distributed": ""}
+_OVERRIDES_HELP = """\
+  --config.FIELD=VALUE
+    Sets one field of the config (repeat for more), FIELD being its dotted
+    path and VALUE a Python literal (a string needs no quotes):
+      --config.train.total_steps=100
+      --config.model.moe.router.name=cosine    (the router's own defaults)
+      --config.robustness.attacks[0].eps=0.1   (list items by index)
+      --config.robustness=None                 (a section or field: off)
+    Every documented field can be set, also one the config file leaves out
+    (docs/training.md); a mistake is one `config error:` line, exit 2.
+  --helpfull
+    Every flag, also those of absl and jax."""
+
+
+def usage() -> str:
+  """The `--help` text: the module docstring, then the binary's flags."""
+  lines = [__doc__.strip(), "", "Flags:", "  --config=FILE[:ARG]",
+           "    Config file (configs/FILE.py, ARG passed to its get_config); "
+           "default",
+           f"    {os.path.relpath(DEFAULT_CONFIG)}."]
+  for name, value in _FLAG_NAMES.items():
+    flag = FLAGS[name]
+    lines += [f"  --{name}{value}", *textwrap.wrap(
+        f"{flag.help} (default: {flag.default!r})", 76,
+        initial_indent="    ", subsequent_indent="    ")]
+  return "\n".join(lines) + "\n" + _OVERRIDES_HELP
+
+
 def parse_flags(argv: list[str]) -> list[str]:
   """`app.run`'s flag parser: config problems exit 2 without a traceback.
 
   The config file is loaded here and every `--config.FIELD` override checked
-  against the schema (`vmoe_ext.config.overrides`), so a missing file or an
-  unknown field is one clear line and every documented field can be set,
-  also one the file leaves out or sets to None.
+  against the schema (`vmoe_ext.config.overrides`), so a missing file, an
+  unknown field or a value of the wrong type is one clear line and every
+  documented field can be set, also one the file leaves out or sets to
+  None. `--help` prints `usage()` and exits 0.
   """
+  if any(a in _HELP_FLAGS for a in argv[1:]):
+    print(usage())
+    sys.exit(0)
+  rest: list[str] = []
   try:
     value, rest = _split_config_flag(argv)
     notes: list[str] = []
-    config = prepare_overrides(load_config_flag(value), rest, CONFIG, notes)
+    config = prepare_overrides(load_config_flag(value), rest, CONFIG, notes,
+                               alternatives=ALTERNATIVES)
     for note in notes:
       print(f"note: {note}", file=sys.stderr)
     rest = take_none_overrides(config, rest, CONFIG)
@@ -126,12 +174,14 @@ def parse_flags(argv: list[str]) -> list[str]:
   except ConfigError as e:
     _fail(f"config error: {e}")
   except flags.Error as e:
-    match = re.match(r"flag --config\.([^=\s]+)=", str(e))
-    if match:  # A value that does not parse as the field's type.
-      reason = str(e).split(": ", 1)[-1]
-      _fail(f"config error: {match.group(1)}: cannot set it from the "
-            f"command line: {reason}")
-    _fail(f"error: {e}\nPass --helpfull to see the flags.")
+    if re.match(r"flag --config\.", str(e)):  # A value of the wrong type.
+      _fail(f"config error: {flag_error(e, rest)}")
+    _fail(f"error: {e}\nPass --help to see the flags.")
+  except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+    # ml_collections on a --config.FIELD flag the checks above let through.
+    if "--debug" in argv:
+      raise
+    _fail(f"config error: {flag_error(e, rest)}")
 
 
 def stop_status(stop: Preempted | KeyboardInterrupt) -> int:

@@ -102,6 +102,9 @@ CONFIG = Section({
     "sharding": SHARDING,
 }, check=_check_across_sections)
 SECTIONS = tuple(CONFIG.fields_of({}))
+# Exclusive fields: one set on the command line drops the config file's
+# other one (`vmoe_ext.config.overrides.drop_alternatives`).
+ALTERNATIVES = (("model.moe.layers", "model.moe.every"),)
 
 
 def resolve_config(config: Any) -> ml_collections.ConfigDict:
@@ -129,4 +132,5 @@ def validate_config(config: Any) -> None:
   build_model(resolve_config(config).model)
 
 
-__all__ = ["CONFIG", "SECTIONS", "resolve_config", "validate_config"]
+__all__ = ["ALTERNATIVES", "CONFIG", "SECTIONS", "resolve_config",
+           "validate_config"]

@@ -194,3 +194,71 @@ def make_attack(config: Mapping[str, Any], details: bool = False) -> Attack:
   attack.__name__ = f"{name}_attack"
   attack.__doc__ = f"{name} attack with {config!r}."
   return attack
+
+
+# -- Attacks from the user's own modules (docs/extending.md) ----------------
+
+
+def as_attack_spec(attack: Any, check: Any = None,
+                   details: Any = None) -> AttackSpec:
+  """`attack` as a resolved `AttackSpec` that follows the contract.
+
+  Args:
+    attack: an `AttackSpec` (with its check inside), or an attack function
+      `fn`.
+    check: `fn`'s check; default: the function `check_<fn name>` of `fn`'s
+      module (the built-ins' convention: `fgsm` and `check_fgsm`).
+    details: `fn` with diagnostics; default: `<fn name>_details` of `fn`'s
+      module if it has one (`apgd_details`), else none.
+
+  Raises:
+    TypeError: `attack` is neither, has no check, or breaks the contract.
+  """
+  if isinstance(attack, AttackSpec):
+    if check is not None or details is not None:
+      raise TypeError("an AttackSpec carries its own check and details; "
+                      "pass them inside it")
+    spec = attack
+  elif inspect.isfunction(attack):
+    name = attack.__name__
+    module = inspect.getmodule(attack)
+    check = check or getattr(module, f"check_{name}", None)
+    if check is None:
+      raise TypeError(f"attack function {name!r} has no check: define "
+                      f"check_{name} beside it in {attack.__module__!r}, or "
+                      "give AttackSpec(fn, check)")
+    details = details or getattr(module, f"{name}_details", None)
+    spec = AttackSpec(attack, check, details)
+  else:
+    raise TypeError(f"an attack is an AttackSpec(fn, check) or an attack "
+                    f"function, got {type(attack).__name__} {attack!r}")
+  spec = AttackSpec(resolve(spec.fn), resolve(spec.check),
+                    None if spec.details is None else resolve(spec.details))
+  check_contract(_name(spec.fn), spec)
+  return spec
+
+
+def register_attack(name: str, attack: Any, check: Any = None,
+                    details: Any = None, *, override: bool = False) -> None:
+  """Makes `robustness.attacks[i].name=name` select `attack`.
+
+  Args:
+    name: the config name (no ":").
+    attack, check, details: the attack, as `as_attack_spec` takes them (an
+      `AttackSpec`, or a function and its check); checked now.
+    override: replace an attack registered under `name` (a built-in too);
+      without it a taken name raises ValueError.
+
+  Raises:
+    TypeError: the attack breaks the contract or has no check.
+    ValueError: `name` is taken (and not `override`) or contains ":".
+  """
+  spec = as_attack_spec(attack, check, details)
+  if override and name in ATTACKS.entries:
+    ATTACKS.unregister(name)
+  ATTACKS.register(name, spec)
+
+
+# A "package.module:attr" attack name imports an AttackSpec or a function
+# with its `check_<name>` beside it, checked as `register_attack` checks.
+ATTACKS.accept = as_attack_spec

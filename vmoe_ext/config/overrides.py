@@ -10,42 +10,59 @@ root schema (given by the caller: the binary's is
 `vmoe_ext.app.schema.CONFIG`) for each overridden field:
 
 * a field the schema does not know is a `ConfigError` naming the full path,
-  with a "did you mean" hint, before anything is parsed;
+  with a "did you mean" hint, before anything is parsed; so is a value that
+  cannot have the field's type (`train.total_steps=1e3`, `robustness=none`,
+  one dict where a list of them belongs), with the spelling that works;
 * a known field that the config lacks, or holds as None, is added as a typed
   `ml_collections` placeholder (its type from the schema, else from the value
   as a Python literal), creating the sections on the way, so the flag parser
   sets it like any other field; an untyped field (a router's `layers`, a
   preset name or a list) is retyped to the value's own type;
-* `--config.FIELD=None` on a nullable field sets it to None
-  (`take_none_overrides`), which the typed flag parser cannot do;
-* a selector changed from the command line (`model.moe.router.name=greedy`
-  on a config written for `noisy_topk`) drops the fields the config file set
-  that only the previous selection knows (`importance_loss_weight`), and
-  says which (`notes`); fields the new selection shares keep their values.
+* a component switched from the command line (`model.moe.router.name=cosine`
+  on a config written for `noisy_topk`; a stream's or an attack's `name`:
+  sections marked `Section.component`) gets its own defaults: every field of
+  the section that the config file set and the command line does not set is
+  removed, with one note each (`notes`) where the file's value is not the new
+  component's default (`noise_std`: the file's 1.0, cosine's 0.0) or the
+  new component has no such field (`importance_loss_weight` for
+  expert_choice). Another selector (`data.name`, `optimizer.name`) changed
+  from the command line removes only the fields the new selection lacks or
+  defaults differently, so that an optimizer's schedule survives a switch
+  of optimizer. Alternatives (`model.moe.layers` and `model.moe.every`):
+  setting one drops the file's other one.
 
-Fields that are not overridden are left exactly as the config file wrote them.
-Section fields that depend on a selector (`model.moe.router` on its `name`)
-are looked up with the selector's overridden value, wherever its flag stands.
+`take_none_overrides` then applies what the typed flag parser cannot:
+`--config.FIELD=None` on a nullable field, and list items
+(`robustness.attacks[1].steps=5`, also written `robustness.attacks.1.steps`),
+which may name a field the entry lacks. Fields that are not overridden are
+left exactly as the config file wrote them. Section fields that depend on a
+selector (`model.moe.router` on its `name`) are looked up with the selector's
+overridden value, wherever its flag stands.
 """
 
 from __future__ import annotations
 
 import ast
-from typing import Any, Optional, Sequence
+import re
+from typing import Any, Mapping, MutableMapping, Optional, Sequence
 
 import ml_collections
 from ml_collections import config_dict
 
-from vmoe_ext.config.schema import (Field, Section, Seq, Spec, plain,
-                                    unknown_message)
-from vmoe_ext.errors import ConfigError
+from vmoe_ext.config.schema import (REQUIRED, Field, Section, Seq, Spec,
+                                    plain, unknown_message)
+from vmoe_ext.errors import (ConfigError, Part, join_path, join_parts,
+                             split_path)
 
 PREFIX = "--config."
 _TYPES = {"int": int, "float": float, "bool": bool, "str": str}
+_BOOLS = {"true": True, "t": True, "1": True, "false": False, "f": False,
+          "0": False}  # absl's spellings, any case.
 
 
 def overrides(argv: Sequence[str]) -> list[tuple[str, Optional[str]]]:
-  """`(field, value text)` of each `--config.FIELD[=VALUE]` flag, in order.
+  """`(field, value text)` of each `--config.FIELD[=VALUE]` flag, in order;
+  list items spelled `[i]` (`attacks.0.eps` becomes `attacks[0].eps`).
 
   The value is None for a flag without `=` (a bool set with its bare name).
   """
@@ -53,7 +70,7 @@ def overrides(argv: Sequence[str]) -> list[tuple[str, Optional[str]]]:
   for arg in argv:
     if arg.startswith(PREFIX):
       field, eq, value = arg[len(PREFIX):].partition("=")
-      out.append((field, value if eq else None))
+      out.append((join_parts(split_path(field)), value if eq else None))
   return out
 
 
@@ -67,12 +84,23 @@ def literal(text: Optional[str]) -> Any:
     return text
 
 
-def _set(tree: dict, parts: list[str], value: Any) -> None:
-  for part in parts[:-1]:
-    if not isinstance(tree.get(part), dict):
-      tree[part] = {}
-    tree = tree[part]
-  tree[parts[-1]] = value
+def _set(tree: Any, parts: Sequence[Part], value: Any) -> None:
+  """Sets `parts` of the plain `tree` (lists for tuples, in place); does
+  nothing below a leaf or past a list's end (`field_spec` reports those)."""
+  for i, part in enumerate(parts):
+    if isinstance(part, str) != isinstance(tree, dict) or (
+        isinstance(part, int) and part >= len(tree)):
+      return
+    if i == len(parts) - 1:
+      tree[part] = value
+      return
+    child = tree.get(part) if isinstance(part, str) else tree[part]
+    if isinstance(child, tuple):
+      child = list(child)
+    elif isinstance(part, str) and not isinstance(child, (dict, list)):
+      child = {}
+    tree[part] = child
+    tree = child
 
 
 def _preview(config: ml_collections.ConfigDict,
@@ -80,37 +108,86 @@ def _preview(config: ml_collections.ConfigDict,
   """The config as a plain dict with every override applied as a literal."""
   tree = plain(config)
   for field, text in pairs:
-    if "[" not in field:
-      _set(tree, field.split("."), literal(text))
+    _set(tree, split_path(field), literal(text))
   return tree
 
 
 def field_spec(field: str, preview: dict, root: Spec) -> Optional[Spec]:
-  """The spec of dotted `field` in the schema `root`; None below a
-  free-form value.
+  """The spec of `field` (dotted, list items `[i]`) in the schema `root`;
+  None below a free-form value.
 
   Raises:
-    ConfigError naming the first unknown part of `field` (or a bad selector
-    value such as an unknown router name).
+    ConfigError naming the first unknown part of `field`, a list item the
+    list lacks, or a bad selector value such as an unknown router name.
   """
-  spec: Spec = root
+  spec: Any = root
   value: Any = preview
-  walked: list[str] = []
-  for part in field.split("."):
-    if not isinstance(spec, Section) or "[" in part:
-      return None  # A dict-valued field, or a list item: checked later.
+  walked: list[Part] = []
+  for part in split_path(field):
+    if isinstance(part, int):
+      if not isinstance(spec, Seq):
+        return None  # A free-form list: checked later.
+      items = value if isinstance(value, (list, tuple)) else ()
+      walked.append(part)
+      if part >= len(items):
+        raise ConfigError(join_parts(walked), (
+            f"({PREFIX}{field}) no such item: the config has {len(items)} "
+            f"(indices 0..{len(items) - 1})" if items else
+            f"({PREFIX}{field}) no such item: the list is empty") +
+                          f"; set the whole list with "
+                          f"{PREFIX}{join_parts(walked[:-1])}=(...)")
+      spec, value = spec.item, items[part]
+      continue
+    if not isinstance(spec, Section):
+      return None  # A dict-valued field: checked later.
     section = value if isinstance(value, dict) else {}
     try:
       fields = spec.fields_of(section)
     except ConfigError as e:
-      raise ConfigError(".".join(walked + [e.field]), e.reason) from e
+      raise ConfigError(join_path(join_parts(walked), e.field),
+                        e.reason) from e
     walked.append(part)
     if part not in fields:
-      raise ConfigError(".".join(walked), f"({PREFIX}{field}) " +
+      raise ConfigError(join_parts(walked), f"({PREFIX}{field}) " +
                         unknown_message(part, sorted(fields)))
     spec = fields[part]
     value = section.get(part)
   return spec
+
+
+def check_text(field: str, text: Optional[str], spec: Optional[Spec]) -> None:
+  """Raises ConfigError, with the spelling that works, when the flag value
+  `text` cannot have the type `spec` gives `field` (before the flag parser
+  would say it in Python)."""
+  if text == "None" and getattr(spec, "nullable", False):
+    return
+  value = literal(text)
+  kind = spec.kind if isinstance(spec, Field) else None
+  if kind == "int" and not (isinstance(value, int) and not isinstance(
+      value, bool) or re.fullmatch(r"\s*[+-]?\d+\s*", text or "")):
+    example = (f"{int(value)}" if isinstance(value, float)
+               and value.is_integer() else "1000")
+    raise ConfigError(field, f"expects an integer (e.g. {example}), got "
+                      f"{text!r}")
+  if kind == "float":
+    try:
+      float(text or "")
+    except ValueError:
+      raise ConfigError(field, f"expects a number (e.g. 0.1 or 1e-3), got "
+                        f"{text!r}") from None
+  if kind == "bool" and text is not None and text.lower() not in _BOOLS:
+    raise ConfigError(field, f"expects True or False, got {text!r}")
+  if isinstance(spec, Section) and not isinstance(value, dict):
+    off = ("None (capital N) to turn it off, or to " if spec.nullable
+           else "")
+    raise ConfigError(field, f"is a section: set it to {off}a dict of its "
+                      f"fields, e.g. {PREFIX}{field}=\"{{...}}\" (or set one "
+                      f"field: {PREFIX}{field}.FIELD=VALUE); got {text!r}")
+  if isinstance(spec, Seq) and isinstance(value, dict):
+    raise ConfigError(field, f"expects a tuple/list, got one dict; wrap it: "
+                      f"{PREFIX}{field}=\"({text},)\"" +
+                      (", e.g. ({'name': 'fgsm', 'eps': 0.03},)"
+                       if "attacks" in field else ""))
 
 
 def _placeholder_type(spec: Optional[Spec], text: Optional[str]) -> type:
@@ -146,51 +223,141 @@ def _add_placeholder(config: ml_collections.ConfigDict, parts: list[str],
     node[last] = config_dict.placeholder(kind)
 
 
-def _fields_or_none(spec: Section, value: Any) -> Optional[set[str]]:
+def _specs_or_none(spec: Section, value: Any) -> Optional[Mapping[str, Spec]]:
   try:
-    return set(spec.fields_of(value if isinstance(value, dict) else {}))
+    return spec.fields_of(value if isinstance(value, dict) else {})
   except ConfigError:
     return None
 
 
-def drop_deselected(config: ml_collections.ConfigDict, preview: dict,
+def _default(spec: Spec) -> Any:
+  return getattr(spec, "default", None)
+
+
+def _differs(old: Spec, new: Spec) -> bool:
+  """Whether a field means something else to the new selection: another
+  default (sub-sections are compared field by field, below)."""
+  if isinstance(new, Section) and isinstance(old, Section):
+    return False
+  try:
+    return bool(type(old) is not type(new) or _default(old) != _default(new))
+  except Exception:  # pylint: disable=broad-except
+    return True  # Defaults that do not compare (arrays).
+
+
+def _selection(config: Mapping[str, Any], preview: Mapping[str, Any],
+               path: str, overridden: set[str]) -> tuple[str, str]:
+  """The old and new value of the section's overridden selector, as text."""
+  changed = [k for k in preview if f"{path}{k}" in overridden
+             and config.get(k) != preview.get(k)]
+  if len(changed) == 1 and isinstance(preview[changed[0]], str):
+    return str(config.get(changed[0])), str(preview[changed[0]])
+  return (", ".join(f"{k}={config.get(k)!r}" for k in changed) or "before",
+          ", ".join(f"{k}={preview[k]!r}" for k in changed) or "now")
+
+
+def drop_deselected(config: Any, preview: Any,
                     root: Spec, overridden: set[str], path: str = ""
                     ) -> list[str]:
-  """Removes from `config` the fields of a section whose selector the
-  overrides changed that the new selection does not know (unless they were
-  overridden themselves); returns one note per section changed."""
-  if not isinstance(root, Section) or not isinstance(config,
-                                                     ml_collections.ConfigDict):
+  """Gives a section whose selector the overrides changed the new
+  selection's defaults: removes from `config` each field the new selection
+  lacks or defaults differently, unless the command line sets it (or
+  something below it); returns one note per removed field whose value is
+  not the new default. Walks sub-sections and list items."""
+  if path and path[:-1] in overridden:
+    return []  # The command line gives the whole value.
+  if isinstance(root, Seq) and isinstance(config, (list, tuple)):
+    items = preview if isinstance(preview, (list, tuple)) else ()
+    notes = []
+    for i, item in enumerate(config):
+      if i < len(items):
+        notes += drop_deselected(item, items[i], root.item, overridden,
+                                 f"{path[:-1]}[{i}].")
+    return notes
+  if not isinstance(root, Section) or not isinstance(
+      config, (ml_collections.ConfigDict, MutableMapping)):
     return []
   notes = []
   preview = preview if isinstance(preview, dict) else {}
-  new = _fields_or_none(root, preview)
-  if callable(root.fields):
-    old = _fields_or_none(root, plain(config))
-    if old is not None and new is not None and old != new:
-      gone = [k for k in config if k in old and k not in new
-              and f"{path}{k}" not in overridden]
-      for k in gone:
+  new = _specs_or_none(root, preview)
+  if callable(root.fields) and new is not None:
+    file = plain(config)
+    old = _specs_or_none(root, file)
+    switched = (_selector_changed(file, preview, path, overridden)
+                if root.component else old is not None
+                and _fields_differ(old, new))
+    if old is not None and switched:
+      was, now = ((str(file.get("name")), str(preview.get("name")))
+                  if root.component else
+                  _selection(file, preview, path, overridden))
+      for k in list(config.keys()):
+        set_here = any(f == f"{path}{k}" or f.startswith((f"{path}{k}.",
+                                                          f"{path}{k}["))
+                       for f in overridden)
+        if set_here or k not in old or (
+            k in new and not root.component and not _differs(old[k], new[k])):
+          continue
+        if k in new and _default(new[k]) is REQUIRED:
+          continue  # No default to take: the file's value stays.
         del config[k]
-      if gone:
-        changed = sorted(f for f in overridden if f.startswith(path)
-                         and "." not in f[len(path):])
-        notes.append(
-            f"{path.rstrip('.')}: overriding {', '.join(changed) or 'it'} "
-            f"leaves out {', '.join(gone)} (set by the config file for the "
-            "previous choice): dropped")
+        if k not in new:
+          notes.append(f"{path}{k}: the config file's {file[k]!r} (for {was})"
+                       f" is dropped: {now} has no such field")
+        elif file[k] != _default(new[k]):
+          notes.append(f"{path}{k}: the config file's {file[k]!r} (for {was})"
+                       f" is not carried over to {now}; it takes {now}'s "
+                       f"default {_default(new[k])!r}")
   if new is None:
     return notes
-  specs = root.fields_of(preview)
-  for k in new & set(config.keys()):
-    notes += drop_deselected(config[k], preview.get(k), specs[k], overridden,
+  for k in [k for k in new if k in config]:
+    notes += drop_deselected(config[k], preview.get(k), new[k], overridden,
                              f"{path}{k}.")
+  return notes
+
+
+def _selector_changed(file: Mapping[str, Any], preview: Mapping[str, Any],
+                      path: str, overridden: set[str]) -> bool:
+  """Whether the command line set a component section's `name` to another
+  value than the config file's."""
+  return (f"{path}name" in overridden
+          and file.get("name") != preview.get("name"))
+
+
+def _fields_differ(old: Mapping[str, Spec], new: Mapping[str, Spec]) -> bool:
+  return set(old) != set(new) or any(_differs(old[k], new[k]) for k in old)
+
+
+def drop_alternatives(config: ml_collections.ConfigDict,
+                      pairs: list[tuple[str, Optional[str]]],
+                      alternatives: Sequence[tuple[str, str]]) -> list[str]:
+  """For each pair of exclusive fields (`model.moe.layers`,
+  `model.moe.every`): one set (not to None) on the command line drops the
+  other one the config file set, unless the command line sets it too;
+  returns one note per dropped field."""
+  given = {field: text for field, text in pairs}
+  notes = []
+  for a, b in alternatives:
+    for field, other in ((a, b), (b, a)):
+      if given.get(field, "None") == "None" or other in given:
+        continue
+      *parents, last = other.split(".")
+      node: Any = config
+      for part in parents:
+        node = node.get(part) if isinstance(
+            node, ml_collections.ConfigDict) else None
+      if isinstance(node, ml_collections.ConfigDict) and node.get(
+          last) is not None:
+        notes.append(f"{other}: the config file's {node[last]!r} is dropped: "
+                     f"{PREFIX}{field} replaces it (give one of {field} and "
+                     f"{other})")
+        node[last] = None
   return notes
 
 
 def prepare_overrides(config: ml_collections.ConfigDict,
                       argv: Sequence[str], root: Spec,
-                      notes: Optional[list[str]] = None
+                      notes: Optional[list[str]] = None,
+                      alternatives: Sequence[tuple[str, str]] = ()
                       ) -> ml_collections.ConfigDict:
   """Checks the `--config.FIELD` flags of `argv` and makes each settable.
 
@@ -198,67 +365,132 @@ def prepare_overrides(config: ml_collections.ConfigDict,
     config: the loaded config file (unlocked); changed in place.
     argv: the command line.
     root: the config's schema.
-    notes: gets one line for each section whose selector an override
-      changed, naming the previous selection's fields it dropped.
+    notes: gets one line for each field of the config file that a selector
+      changed on the command line (or an alternative set there) removed.
+    alternatives: pairs of exclusive fields (full paths).
 
   Returns:
     `config`, with a typed placeholder for each overridden field that it
     lacked or held as None.
 
   Raises:
-    ConfigError naming the first unknown field.
+    ConfigError naming the first unknown field, or a value that cannot have
+    its field's type.
   """
   pairs = overrides(argv)
   if not pairs:
     return config
   preview = _preview(config, pairs)
-  for field, _ in pairs:
-    field_spec(field, preview, root)  # Unknown fields first.
-  dropped = drop_deselected(config, preview, root,
-                            {field for field, _ in pairs})
+  for field, text in pairs:  # Unknown fields first, then value types.
+    check_text(field, text, field_spec(field, preview, root))
+  dropped = drop_alternatives(config, pairs, alternatives)
+  dropped += drop_deselected(config, preview, root,
+                             {field for field, _ in pairs})
   if notes is not None:
     notes.extend(dropped)
   preview = _preview(config, pairs)
   for field, text in pairs:
     spec = field_spec(field, preview, root)
-    if "[" in field:
-      continue
+    parts = split_path(field)
+    if any(isinstance(p, int) for p in parts):
+      continue  # `take_none_overrides` sets list items.
     untyped = not isinstance(spec, (Field, Seq, Section)) or (
         isinstance(spec, Field) and spec.kind == "any")
-    _add_placeholder(config, field.split("."), _placeholder_type(spec, text),
+    _add_placeholder(config, parts, _placeholder_type(spec, text),
                      retype=untyped and text is not None)
   return config
 
 
+def _item_value(text: Optional[str], spec: Optional[Spec]) -> Any:
+  if isinstance(spec, Field) and spec.kind == "str" and text is not None:
+    return text
+  if isinstance(spec, Field) and spec.kind == "bool" and text is not None:
+    return _BOOLS.get(text.lower(), text)
+  if isinstance(spec, Field) and spec.kind == "float":
+    try:
+      return float(text or "")
+    except ValueError:
+      return text
+  return literal(text)
+
+
+def _set_item(config: ml_collections.ConfigDict, parts: list[Part],
+              value: Any) -> None:
+  """Sets a field at or below a list item, rebuilding the tuples above."""
+  first = next(i for i, p in enumerate(parts) if isinstance(p, int))
+  holder: Any = config
+  for part in parts[:first - 1]:
+    holder = holder[part]
+  tree = {"v": plain(holder[parts[first - 1]])}
+  _set(tree, ["v", *parts[first:]], value)
+
+  def tuples(v: Any) -> Any:
+    if isinstance(v, list):
+      return tuple(tuples(x) for x in v)
+    if isinstance(v, dict):
+      return {k: tuples(x) for k, x in v.items()}
+    return v
+
+  holder[parts[first - 1]] = tuples(tree["v"])
+
+
 def take_none_overrides(config: ml_collections.ConfigDict,
                         argv: Sequence[str], root: Spec) -> list[str]:
-  """Applies `--config.FIELD=None` for nullable fields; returns the other args.
+  """Applies the overrides the typed flag parser cannot; returns the other
+  args.
 
   ml_collections parses a flag with the field's type, so "None" cannot set a
   float field (`model.moe.router.clamp`) or becomes the string "None" in an
-  untyped one. For every field the schema marks nullable, this sets it to
-  None in `config` (creating the sections on the way) and drops the flag.
-  Call it after `prepare_overrides`, which has checked every field exists.
+  untyped one; and it cannot reach a field a list item lacks. This sets, in
+  `config` (creating the sections on the way), every field the schema marks
+  nullable to None and every field at or below a list item
+  (`robustness.attacks[1].steps`, also spelled `attacks.1.steps`) to its
+  value, and drops those flags. Call it after `prepare_overrides`, which has
+  checked every field exists.
   """
   pairs = overrides(argv)
   preview = _preview(config, pairs)
   rest = []
   for arg in argv:
-    field, eq, text = arg[len(PREFIX):].partition("=")
-    if (arg.startswith(PREFIX) and eq and text == "None" and "[" not in field
-        and getattr(field_spec(field, preview, root), "nullable", False)):
-      *parents, last = field.split(".")
+    if not arg.startswith(PREFIX):
+      rest.append(arg)
+      continue
+    (field, text), = overrides([arg])
+    parts = split_path(field)
+    spec = field_spec(field, preview, root)
+    if any(isinstance(p, int) for p in parts):
+      value = (None if text == "None" and getattr(spec, "nullable", False)
+               else _item_value(text, spec))
+      _set_item(config, parts, value)
+    elif text == "None" and getattr(spec, "nullable", False):
       node = config
-      for part in parents:
+      for part in parts[:-1]:
         if node.get(part) is None:
           node[part] = ml_collections.ConfigDict()
         node = node[part]
-      node[last] = None
-      continue
-    rest.append(arg)
+      node[parts[-1]] = None
+    else:
+      rest.append(PREFIX + field + ("" if text is None else f"={text}"))
   return rest
 
 
-__all__ = ["drop_deselected", "field_spec", "literal", "overrides",
-           "prepare_overrides",
-           "take_none_overrides"]
+def flag_error(error: BaseException, argv: Sequence[str]) -> ConfigError:
+  """The `ConfigError` for an exception the flag parser raised on a
+  `--config.FIELD` flag of `argv`: the field it names, the first line of
+  its message."""
+  text = str(error)
+  match = re.match(r"flag --config\.([^=\s]+)=", text)
+  fields = [match.group(1)] if match else [
+      f for f, _ in overrides(argv) if f in text or
+      f.replace("[", ".").replace("]", "") in text]
+  reason = text.split(": ", 1)[-1] if match else (
+      f"{type(error).__name__}: {text}")
+  reason = reason.strip().splitlines()[0] if reason.strip() else (
+      type(error).__name__)
+  field = fields[0] if fields else "--config"
+  return ConfigError(field, f"cannot set it from the command line: {reason}")
+
+
+__all__ = ["check_text", "drop_alternatives", "drop_deselected",
+           "field_spec", "flag_error", "literal", "overrides",
+           "prepare_overrides", "take_none_overrides"]

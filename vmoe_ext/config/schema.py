@@ -112,6 +112,10 @@ class Section:
     check: called with the plain dict value inside `field_scope(path)` once
       every field passed; components validate their own ranges there.
     doc: one line for humans.
+    component: the section configures one component chosen by its `name`
+      (a router, a stream, an attack): switching the name on the command
+      line gives every field the command line does not set the new
+      component's own default (`vmoe_ext.config.overrides`).
   """
   fields: Union[Mapping[str, "Spec"],
                 Callable[[Mapping[str, Any]], Mapping[str, "Spec"]]]
@@ -119,6 +123,7 @@ class Section:
   nullable: bool = False
   check: Optional[Callable[[dict[str, Any]], None]] = None
   doc: str = ""
+  component: bool = False
 
   def fields_of(self, value: Mapping[str, Any]) -> Mapping[str, "Spec"]:
     return self.fields(value) if callable(self.fields) else self.fields
@@ -210,15 +215,35 @@ def _check_section(spec: Section, value: Any, path: str) -> None:
     if key not in fields:
       raise ConfigError(join_path(path, str(key)),
                         unknown_message(str(key), known))
+  missing = []
   for key, sub in fields.items():
-    sub_path = join_path(path, key)
     if key in value:
-      validate(sub, value[key], sub_path)
+      validate(sub, value[key], join_path(path, key))
     elif getattr(sub, "default", None) is REQUIRED:
-      raise ConfigError(sub_path, "is required")
+      missing.append(key)
+  if missing:
+    _raise_in_field_order(spec, dict(value), path, list(fields), missing[0])
   if spec.check is not None:
     with field_scope(path):
       spec.check(dict(value))
+
+
+def _raise_in_field_order(spec: Section, value: dict[str, Any], path: str,
+                          order: list[str], missing: str) -> None:
+  """Raises "`missing`: is required", unless the section's own check finds
+  a problem in a field before it (a PGD entry's `eps` before its `steps`):
+  the check runs with the missing fields None, and only its ConfigError on
+  an earlier field counts."""
+  if spec.check is not None:
+    try:
+      spec.check({**{k: None for k in order if k not in value}, **value})
+    except ConfigError as e:
+      first = e.field.split(".")[0].split("[")[0]
+      if first in order and order.index(first) < order.index(missing):
+        raise ConfigError(join_path(path, e.field), e.reason) from e
+    except Exception:  # pylint: disable=broad-except
+      pass  # A check that needs every field: the missing one is the error.
+  raise ConfigError(join_path(path, missing), "is required")
 
 
 def validate(spec: Spec, value: Any, path: str = "") -> None:
@@ -234,6 +259,9 @@ def validate(spec: Spec, value: Any, path: str = "") -> None:
   if isinstance(spec, Field):
     _check_field(spec, value, path)
   elif isinstance(spec, Seq):
+    if isinstance(value, Mapping) and isinstance(spec.item, Section):
+      raise ConfigError(path, f"must be a tuple/list of dicts (one per "
+                        f"entry), got one dict; wrap it: ({value!r},)")
     if not isinstance(value, (list, tuple)):
       raise ConfigError(path, f"must be a list or tuple, {_got(value)}")
     if spec.length is not None and len(value) != spec.length:

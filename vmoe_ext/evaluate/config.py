@@ -55,9 +55,10 @@ def _check_sweep(value: dict[str, Any]) -> None:
 ATTACK = Section(
     _attack_fields({"num_examples": Field("int", None, nullable=True, low=1)}),
     check=_make_attack,
-    doc="{name: fgsm|pgd|spsa|apgd|fab|square|autoattack, **its arguments}")
+    doc="{name: fgsm|pgd|spsa|apgd|fab|square|autoattack, **its arguments}",
+    component=True)
 SWEEP = Section({
-    "attack": Section(_attack_fields({}, exclude=("eps",))),
+    "attack": Section(_attack_fields({}, exclude=("eps",)), component=True),
     "eps": Seq(Field("float", low=0.0), REQUIRED, min_length=1),
 }, default=None, nullable=True, check=_check_sweep)
 

@@ -49,7 +49,8 @@ def registered(registry: Any, fixed: tuple[str, ...] = (),
       out[key] = registered(registry, fixed=fixed, default=out[key].default)
     return out
 
-  return Section(fields, default=default, nullable=nullable)
+  return Section(fields, default=default, nullable=nullable,
+                 component=True)
 
 
 # Sub-sections of the model that select a registered class by name.

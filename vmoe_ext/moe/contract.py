@@ -55,6 +55,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from vmoe_ext.errors import ConfigError
 from vmoe_ext.moe.routing import Routing
 
 Array = jax.Array
@@ -248,6 +249,47 @@ class Router(nn.Module):
   # (False for top-p, whose K varies per token). Routers that re-select from
   # a base router's gates (Symphony) need it.
   fixed_top_k: ClassVar[bool] = True
+
+  def __init_subclass__(cls, **kwargs: Any) -> None:
+    """Reports a `ValueError` of a subclass's `__post_init__` (a router's
+    own config check) as a `ConfigError` on its section ("router"), which
+    its builder scopes (`model.moe.router`)."""
+    super().__init_subclass__(**kwargs)
+    own = cls.__dict__.get("__post_init__")
+    if own is None or getattr(own, "reports_config_errors", False):
+      return
+
+    @functools.wraps(own)
+    def post_init(self) -> None:
+      try:
+        own(self)
+      except ConfigError:
+        raise
+      except ValueError as e:
+        raise ConfigError("router", f"{type(self).__name__}: {e}") from e
+
+    post_init.reports_config_errors = True  # type: ignore[attr-defined]
+    cls.__post_init__ = post_init  # type: ignore[method-assign]
+
+  def __post_init__(self) -> None:
+    """Once a built router (no parent) is set up: a token-choice router's K
+    (`slots_per_token`) fits its experts, so that an error names the field
+    (`router.num_selected`) before the layer sizes the expert buffers."""
+    super().__post_init__()
+    if self.parent is not None or self.kind != TOKEN_CHOICE:
+      return
+    try:
+      k, e = self.slots_per_token, self.num_experts
+    except Exception:  # pylint: disable=broad-except
+      return  # A wrapper whose base is checked where it is built.
+    if not isinstance(e, int) or isinstance(e, bool) or e < 1:
+      return
+    field = ("router.num_selected" if "num_selected" in
+             self.__dataclass_fields__ else "router")
+    if not isinstance(k, int) or isinstance(k, bool) or not 0 < k <= e:
+      raise ConfigError(field, f"K={k!r} experts a token (slots_per_token "
+                        f"of {type(self).__name__}) must be an integer in "
+                        f"1..num_experts E={e}")
 
   @property
   def slots_per_token(self) -> int:

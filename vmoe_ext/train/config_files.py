@@ -9,6 +9,7 @@ checked by `vmoe_ext.config.overrides`.
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import os
 import traceback
@@ -48,7 +49,8 @@ def load_config_flag(value: str) -> ml_collections.ConfigDict:
     raise ConfigError(field, "is empty; give a config file, e.g. "
                       "--config=configs/default.py")
   if not os.path.isfile(path):
-    raise ConfigError(field, f"config file not found: {path!r}")
+    raise ConfigError(field, f"config file not found: {path!r}" +
+                      _did_you_mean(path))
   try:
     config = load_config(path, arg or None)
   except SyntaxError as e:
@@ -67,6 +69,19 @@ def load_config_flag(value: str) -> ml_collections.ConfigDict:
     raise ConfigError(field, f"get_config of {path} returned a "
                       f"{type(config).__name__}, not a ConfigDict")
   return config
+
+
+def _did_you_mean(path: str) -> str:
+  """"; did you mean 'configs/default.py'?" for the closest config file in
+  `path`'s folder (`configs/` for a bare name), else ""."""
+  folder = os.path.dirname(path) or os.path.relpath(CONFIG_DIR)
+  try:
+    names = sorted(n for n in os.listdir(folder) if n.endswith(".py"))
+  except OSError:
+    return ""
+  close = difflib.get_close_matches(os.path.basename(path), names, n=1)
+  return (f"; did you mean {os.path.join(folder, close[0])!r}?" if close
+          else "")
 
 
 def _failure(path: str, arg: str, e: BaseException) -> str:
