@@ -119,3 +119,51 @@ def test_run_experiment_reports_seeded_runs_and_extra_sections(tmp_path):
   assert verdicts["low_data"][0]["diff"].mean == pytest.approx(2.0)
   with open(os.path.join(root, "t.md")) as f:
     assert f.read() == report
+
+
+def test_evaluating_a_checkpoint_names_it_and_shows_progress(
+    tmp_path, capfd, monkeypatch):
+  """The evaluate-only mode says (console and report.md) which checkpoint
+  and step it evaluated, and prints a progress line with an estimate per
+  attack batch off a terminal; the training run it evaluates says that it
+  resumed as an `info:` line."""
+  import ml_collections
+  from vmoe_ext.app import train as train_mode
+  from vmoe_ext.app.evaluate import evaluate_checkpoint
+  from vmoe_ext.train.config_files import load_config
+
+  config = load_config("tiny")
+  config.train.update(dict(total_steps=3, log_every=1, eval_every=0,
+                           checkpoint_every=2))
+  config.optimizer.warmup_steps = 1
+  config.robustness = None
+  run = str(tmp_path / "run")
+  # Stopped at step 2 (its checkpoint), then resumed: an `info:` line, no
+  # absl warning.
+  assert train_mode.train_and_evaluate(config, run, stop_at_step=2) is None
+  capfd.readouterr()
+  train_mode.train_and_evaluate(config, run)
+  err = capfd.readouterr().err.splitlines()
+  assert f"info: resuming from the checkpoint of step 2 in {run}" in err
+  # Once: the `info:` line only (no logging warning beside it).
+  assert sum("resuming from the checkpoint" in l.lower() for l in err) == 1
+  config.robustness = ml_collections.ConfigDict(dict(
+      checkpoint_dir=run, num_examples=70,  # 2 batches of 64.
+      attacks=(dict(name="fgsm", eps=0.1),), sweep=None, corruptions=None))
+  monkeypatch.setenv("CI", "1")  # Off a terminal: progress as lines.
+  capfd.readouterr()
+  out = str(tmp_path / "eval")
+  evaluate_checkpoint(config, out)
+  err = capfd.readouterr().err.splitlines()
+  source = os.path.abspath(run)
+  assert f"info: Evaluated checkpoint: step 3 of {source}." in err
+  assert "evaluate: fgsm on 70 images, 2 batches..." in err
+  progress = [l for l in err if l.startswith("evaluate: fgsm ")
+              and " batches, " in l]
+  assert [l.split(",")[0] for l in progress] == [
+      "evaluate: fgsm 1/2 batches", "evaluate: fgsm 2/2 batches"]
+  assert "elapsed, ~" in progress[0] and progress[0].endswith(" left")
+  assert [l for l in err if l.startswith("evaluate: routing analysis ")]
+  with open(os.path.join(out, "report.md")) as f:
+    head = f.read().split("\n## ")[0]  # Under the title, before sections.
+  assert f"Evaluated checkpoint: step 3 of `{source}`." in head

@@ -400,3 +400,12 @@ def test_dense_model_gets_no_section_line_or_figure(tmp_path):
     assert after_training_hook(config, workdir)(run=run, writer=writer) == []
   assert read_metrics(workdir) == []
   assert not any(os.path.exists(os.path.join(workdir, p)) for p in PNGS)
+
+
+def test_tsne_layers_are_at_most_four_evenly_spaced():
+  from vmoe_ext.evaluate.routing_report import tsne_layers
+  assert tsne_layers(["layer_3", "layer_1"]) == ["layer_1", "layer_3"]
+  swin = [f"layer_{b}" for b in (5, 7, 9, 11, 13, 15, 17, 19, 21, 23)]
+  # Positions 0, 3, 6, 9 of the ten, by block (not by string).
+  assert tsne_layers(list(reversed(swin))) == ["layer_5", "layer_11",
+                                               "layer_17", "layer_23"]

@@ -212,3 +212,51 @@ def test_plot_writes_a_png(tmp_path):
                     ["clean", "fgsm"], [0, 1], str(tmp_path / "p.png"))
   with open(path, "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_quick_report_header_states_the_quick_evaluation(tmp_path,
+                                                         monkeypatch):
+  """A quick report says what its runs evaluated (32 images, PGD-2,
+  severity 3), not the full budgets of `EVALUATION`."""
+  seen = []
+
+  def fake_grid(candidates, regimes, seeds, root, quick, jobs=1):
+    seen.append(quick)
+    return {(r.name, c.key, s): RECORDS for r in regimes for c in candidates
+            for s in seeds}
+
+  monkeypatch.setattr(study, "run_grid", fake_grid)
+  args = study.parse_args("t", ["--quick", "--regimes", "default", "--root",
+                                str(tmp_path)])
+  text, _ = study.run_experiment(
+      "T", ["intro"], [study.Candidate("b", "B", "default")], [],
+      ["clean"], args, "t", quick_keys=("b",))
+  assert seen == [True]
+  assert ("Quick-mode evaluation: FGSM / PGD-2 at eps 0.05 and the "
+          "corruption suite (severities 3) on 32 test images, clean "
+          "accuracy on the whole test split.") in text
+  assert study.EVALUATION not in text and "500" not in text
+
+
+def test_describe_evaluation_of_the_full_budgets():
+  config = study.build_config(study.Candidate("b", "b", "default"), 0,
+                              study.REGIMES["default"], quick=False)
+  assert study.describe_evaluation(config) == (
+      "FGSM / PGD-10 at eps 0.05 and the corruption suite (severities 1, 2, "
+      "3, 4, 5) on 500 test images, clean accuracy on the whole test split.")
+
+
+def test_stability_region_out_is_a_directory(tmp_path, capsys):
+  import stability_region  # pylint: disable=g-import-not-at-top
+  out = tmp_path / "figs"
+  path = stability_region.main(["--out", str(out), "--n-mu", "21",
+                                "--n-gs", "21"])
+  assert path == str(out / "stability_region.png")
+  with open(path, "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  assert f"Wrote {path} " in capsys.readouterr().out
+  # The default is a run directory, not the committed figure's.
+  assert stability_region.DEFAULT_OUT == os.path.join("runs",
+                                                      "stability_region")
+  with pytest.raises(SystemExit):  # A file is no --out.
+    stability_region.main(["--out", path])

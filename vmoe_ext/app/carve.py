@@ -39,8 +39,8 @@ from vmoe_ext.carving.spec import CarveSpec
 from vmoe_ext.data.source import DataSource
 from vmoe_ext.models import build_model
 from vmoe_ext.reporting.report import listify, write_report
-from vmoe_ext.reporting.writers import (MetricWriter, duration, progress_bar,
-                                       progress_line)
+from vmoe_ext.reporting.writers import (MetricWriter, progress_bar,
+                                       progress_line, wall_time)
 from vmoe_ext.train.checkpoints import CheckpointManager, config_fingerprint
 from vmoe_ext.train.optimizer import make_optimizer
 from vmoe_ext.train.state import TrainState
@@ -151,8 +151,7 @@ def _evaluate_and_report(ctx: RunContext, spec: CarveSpec,
       f"`{os.path.abspath(spec.checkpoint_dir)}`.  ",
       f"Dense test accuracy: {float(dense['accuracy']):.4f}; carved "
       f"(training-free): {float(final['accuracy']):.4f}.  ",
-      f"Carving wall time: {result.total_seconds:.2f} s "
-      f"({duration(result.total_seconds)}), "
+      f"Carving wall time: {wall_time(result.total_seconds)}, "
       f"{spec.num_calibration} calibration images.", "", *table, "",
       "Load it: `--config.robustness.checkpoint_dir=WORKDIR` (evaluation) "
       "or `configs/carve.py:...,finetune` (`init.workdir=WORKDIR`)."])

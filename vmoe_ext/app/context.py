@@ -16,7 +16,6 @@ Every mode asks its parts of it; none builds its own. Tests inject a
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 from typing import Any, Callable, Iterator, Optional
 
@@ -30,6 +29,7 @@ from vmoe_ext.app.schema import resolve_config
 from vmoe_ext.data.source import DataSource
 from vmoe_ext.errors import field_scope, require
 from vmoe_ext.models import build_model
+from vmoe_ext.reporting.progress import info_line
 from vmoe_ext.sharding.multihost import process_rows
 from vmoe_ext.sharding.partitioning import Partitioning
 from vmoe_ext.train.checkpoints import CheckpointManager, config_fingerprint
@@ -39,7 +39,6 @@ from vmoe_ext.train.state import TrainState
 from vmoe_ext.train.steps import evaluate, make_eval_step
 from vmoe_ext.train.validate import validate_shapes
 
-log = logging.getLogger(__name__)
 
 
 class ResolvedConfig(ml_collections.ConfigDict):
@@ -132,7 +131,7 @@ class RunContext:
                         )(sample)
     if init is not None:
       params, report = load_init_params(init, variables["params"])
-      log.warning("%s", report.summary())
+      info_line(report.summary())
       variables = {**variables, "params": params}
     self.state = self.partitioning.shard(TrainState.create(
         variables, make_optimizer(config.optimizer), state_key))

@@ -19,7 +19,7 @@ from vmoe_ext.data.source import DataSource
 from vmoe_ext.errors import require
 from vmoe_ext.evaluate.final import final_evaluations
 from vmoe_ext.reporting.report import listify, write_report
-from vmoe_ext.reporting.writers import MetricWriter, read_metrics
+from vmoe_ext.reporting.writers import MetricWriter, info_line, read_metrics
 from vmoe_ext.train.workdir import WorkdirLock
 
 EVALUATION_DIR = "evaluation"
@@ -86,6 +86,7 @@ def evaluate_checkpoint(config: Any, workdir: str, *,
     check_source(source)
   evaluated = ctx.open_evaluation(source)
   step = int(ctx.state.step)
+  info_line(evaluated.replace("`", ""))
   records = [] if from_init else _training_record(source, step)
   out = output_dir(workdir)
   with WorkdirLock(out), MetricWriter(out) as writer:
@@ -103,7 +104,7 @@ def evaluate_checkpoint(config: Any, workdir: str, *,
   write_report(out, final_metrics=final, records=read_metrics(out),
                config_summary=ctx.config.to_dict(),
                wall_seconds=time.time() - start,
-               extra_sections=[evaluated] + sections,
+               extra_sections=sections, summary=[evaluated],
                title="Robustness evaluation report")
   return final
 

@@ -7,7 +7,6 @@ vmoe_ext.main` for a training config.
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 from typing import Any, Callable, Optional, Sequence
 
@@ -16,12 +15,11 @@ import jax
 from vmoe_ext.app.context import RunContext
 from vmoe_ext.data.source import DataSource
 from vmoe_ext.reporting.report import listify, write_report
-from vmoe_ext.reporting.writers import MetricWriter, progress_line, read_metrics
+from vmoe_ext.reporting.writers import (MetricWriter, info_line,
+                                       progress_line, read_metrics)
 from vmoe_ext.sharding.multihost import is_main_process
 from vmoe_ext.train.loop import history_from_json, stop_flag, train_loop
 from vmoe_ext.train.workdir import WorkdirLock
-
-log = logging.getLogger(__name__)
 
 
 def setup(config: Any, workdir: str, *,
@@ -84,8 +82,8 @@ def train_and_evaluate(config: Any, workdir: str, *,
   with WorkdirLock(workdir), contextlib.ExitStack() as stack:
     resumed = run.restore()
     if resumed is not None and is_main_process():
-      log.warning("Resuming from the checkpoint of step %d in %s", resumed,
-                  workdir)
+      info_line(f"resuming from the checkpoint of step {resumed} in "
+                f"{workdir}")
     stack.callback(run.checkpoints.close)
     writer = stack.enter_context(MetricWriter(workdir))
     # The record is cut back to what it was at the checkpoint: what a killed

@@ -13,6 +13,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from vmoe_ext.attacks.autoattack import WHITE_BOX, stages_of
 from vmoe_ext.reporting import figures
 from vmoe_ext.reporting.report_parts import markdown_table
 
@@ -37,23 +38,75 @@ def _plot(curves: dict[str, np.ndarray], path: str) -> None:
   fig.savefig(path, dpi=100)
 
 
+def stage_order(config: Mapping[str, Any], m: Mapping[str, Any]
+                ) -> list[str]:
+  """The attacks of an AutoAttack entry that ran, in the order they ran."""
+  ran = [k[len(ROBUST_AFTER):] for k in m if k.startswith(ROBUST_AFTER)]
+  try:
+    order = stages_of(config.get("version", "standard"),
+                      config.get("attacks"))
+  except KeyError:  # An unknown version: the metrics' order.
+    return ran
+  return [s for s in order if s in ran] + [s for s in ran if s not in order]
+
+
+def robust_before(m: Mapping[str, Any], stages: Sequence[str]
+                  ) -> dict[str, float]:
+  """`{attack: fraction of the images still robust when it started}`: the
+  clean accuracy for the first, then the robust accuracy after the one
+  before."""
+  before, left = {}, m.get("clean_correct", m["clean_accuracy"])
+  for stage in stages:
+    before[stage] = float(left)
+    left = m[ROBUST_AFTER + stage]
+  return before
+
+
+def _masking_check(m: Mapping[str, Any], stages: Sequence[str],
+                   before: Mapping[str, float], n: int) -> str:
+  """The gradient-masking line: what Square broke of what the white-box
+  attacks left, or why there is no verdict."""
+  white = [s for s in stages[:stages.index("square")] if s in WHITE_BOX]
+  left = round(before["square"] * n)
+  if left == 0:
+    return ("- Gradient-masking check: no verdict: no image was left robust "
+            f"after {', '.join(white) or 'the clean evaluation'}, so Square "
+            "(black-box) had nothing to test.")
+  broken = round(m["square_only"] * n)
+  return (f"- Gradient-masking check: Square (black-box) broke {broken} of "
+          f"the {left} images that every white-box attack failed on ("
+          f"{100 * broken / left:.1f}%)" + (
+              ": **the gradients of this model mislead white-box attacks "
+              "here**." if broken > 0 else ": no sign of gradient masking."))
+
+
 def autoattack_section(results: Sequence[tuple[Mapping[str, Any],
                                                Mapping[str, Any], int]],
                        workdir: str) -> list[str]:
   """Markdown sections for the AutoAttack / APGD entries of `results`
   (`(attack config, metrics, num_examples)` per configured attack); [] when
-  there are none."""
+  there are none.
+
+  An attack that started with no robust image left (every one broken
+  before it) is named as such, draws no loss curve and gives no
+  gradient-masking verdict."""
   sections, curves = [], {}
   for i, (config, m, n) in enumerate(results):
     label = f"{config['name']}[{i}] eps={config.get('eps')}"
+    stages = stage_order(config, m)
+    before = robust_before(m, stages) if stages else {}
     for key, value in m.items():
       if key.startswith(APGD_LOSS):
-        curves[f"{label} {key[len(APGD_LOSS):]}"] = np.asarray(value)
-    stages = [k[len(ROBUST_AFTER):] for k in m if k.startswith(ROBUST_AFTER)]
+        stage = key[len(APGD_LOSS):]
+        # No attacked image: the mean over none is no curve.
+        if before.get(stage, m["clean_accuracy"]) * n >= 0.5:
+          curves[f"{label} {stage}"] = np.asarray(value)
     if not stages:
       continue
     rows = [["clean", m["clean_accuracy"]]]
-    rows += [[f"after {s}", m[ROBUST_AFTER + s]] for s in stages]
+    rows += [[f"after {s}" + (" (no robust image left to attack)"
+                              if round(before[s] * n) == 0 else ""),
+              m[ROBUST_AFTER + s]] for s in stages]
     robust = m[ROBUST_AFTER + stages[-1]]
     text = [f"### AutoAttack, {config.get('version', 'standard')} version, "
             f"{config.get('norm', 'linf')} eps={config.get('eps')} "
@@ -68,14 +121,12 @@ def autoattack_section(results: Sequence[tuple[Mapping[str, Any],
         text.append(f"- PGD-{other.get('steps')} (attack {j}) at the same "
                     f"threat: accuracy {om['accuracy']:.4f} vs "
                     f"{robust:.4f} under AutoAttack: {verdict}.")
-    if "square_only" in m:
-      rate = m["square_only"]
-      text.append(
-          f"- Gradient-masking check: Square (black-box) broke "
-          f"{100 * rate:.1f}% of the images that every white-box attack "
-          "failed on" + (": **the gradients of this model mislead "
-                         "white-box attacks here**." if rate > 0 else
-                         ": no sign of gradient masking."))
+    idle = [s for s in stages if round(before[s] * n) == 0]
+    if idle:
+      text.append(f"- No image was left robust before {', '.join(idle)}: "
+                  "those attacks had nothing to test.")
+    if "square_only" in m and "square" in stages:
+      text.append(_masking_check(m, stages, before, n))
     sections.append("\n".join(text))
   if curves:
     _plot(curves, os.path.join(workdir, PLOT))

@@ -13,6 +13,7 @@ per-example comparison.
 
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Any, Mapping, Optional, Sequence
 
@@ -22,6 +23,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from vmoe_ext.attacks.registry import get_attack
 from vmoe_ext.classification import topk_correct
 from vmoe_ext.config.defaults import fill_defaults
 from vmoe_ext.config.schema import plain
@@ -33,11 +35,13 @@ from vmoe_ext.evaluate.corruption_metrics import corruption_errors
 from vmoe_ext.evaluate.datasets import check_datasets, evaluate_datasets
 from vmoe_ext.evaluate.evaluator import Evaluator, clean_accuracy
 from vmoe_ext.evaluate.metrics import routing_change_rate
-from vmoe_ext.naming import metric_key_of
+from vmoe_ext.naming import block_index, metric_key_of
 from vmoe_ext.reporting import figures
 from vmoe_ext.reporting.report_parts import bar_chart, markdown_table
-from vmoe_ext.reporting.writers import (MetricWriter, progress_bar,
-                                       progress_line)
+from vmoe_ext.reporting.progress import (BatchProgress, progress_bar,
+                                         progress_line)
+from vmoe_ext.reporting.writers import MetricWriter
+
 
 def robustness_config(config: Mapping[str, Any]) -> dict[str, Any]:
   """A checked `robustness` section with its defaults filled (the schema's,
@@ -81,6 +85,9 @@ def attack_metrics(evaluator: Evaluator, dataset: ArrayDataset,
   num_batches = -(-len(dataset) // batch_size)
   batches = eval_batches(dataset, batch_size)  # raw [0, 1] images
   with progress_bar(total=num_batches, desc=desc) as bar:
+    progress_line(bar, f"evaluate: {desc} on {len(dataset)} images, "
+                  f"{num_batches} batch{'es' if num_batches > 1 else ''}...")
+    progress = BatchProgress(bar, num_batches, f"evaluate: {desc}")
     for i, batch in enumerate(batches):
       x, y, mask = batch["image"], batch["label"], batch["mask"]
       x_adv, diagnostics = attack(jnp.asarray(x), jnp.asarray(y),
@@ -107,7 +114,7 @@ def attack_metrics(evaluator: Evaluator, dataset: ArrayDataset,
         layer = metric_key_of(block)
         _accumulate(total, f"{layer}/routing_change_rate",
                     routing_change_rate(m[mask], masks_adv[block][mask]), n)
-      bar.update(1)
+      progress.update(1)
     result = {k: s / np.maximum(w, 1.0) for k, (s, w) in total.items()}
     result = {k: float(v) if np.ndim(v) == 0 else v
               for k, v in result.items()}
@@ -116,6 +123,58 @@ def attack_metrics(evaluator: Evaluator, dataset: ArrayDataset,
                     f"{result['clean_accuracy']:.4f}) on {len(dataset)} "
                     "examples")
   return result
+
+
+# The settings an attack's report line names (config or default), in order.
+SHOWN_SETTINGS = ("version", "attacks", "norm", "steps", "step_size",
+                  "random_start", "restarts", "samples", "queries")
+
+
+def attack_settings(attack: Mapping[str, Any]) -> str:
+  """`"steps=10, step_size=0.0125, random_start=True, ..."`: the attack's
+  main settings as it runs (the config's value, else the attack's default;
+  `auto` for a default the attack derives, e.g. PGD's step size), eps and
+  the example count left out."""
+  params = inspect.signature(get_attack(attack["name"])).parameters
+  out = []
+  for name in SHOWN_SETTINGS:
+    if name in attack:
+      value = attack[name]
+    elif name in params and params[name].default is not params[name].empty:
+      value = params[name].default
+    else:
+      continue
+    value = "auto" if value is None else value
+    if isinstance(value, (tuple, list)):
+      value = "+".join(map(str, value))
+    out.append(f"{name}={value}")
+  return ", ".join(out) or "-"
+
+
+def routing_by_layer(metrics: Mapping[str, Any]) -> dict[str, float]:
+  """`{"layer_i": routing change rate}` of an attack's metrics, by block."""
+  suffix = "/routing_change_rate"
+  rates = {k[:-len(suffix)]: v for k, v in metrics.items()
+           if k.endswith(suffix)}
+  return {l: rates[l] for l in sorted(rates, key=block_index)}
+
+
+def sweep_settings_text(sweep_attack: Mapping[str, Any],
+                        table_attacks: Sequence[Mapping[str, Any]]) -> str:
+  """The sweep section's first paragraph: its attack's settings, and where
+  the attack table has the same attack with other settings, that the two
+  accuracies at one eps differ for that reason."""
+  mine = attack_settings(sweep_attack)
+  name = sweep_attack["name"]
+  text = f"{name.upper()} with {mine}, at each eps of the sweep."
+  others = sorted({attack_settings(a) for a in table_attacks
+                   if a["name"] == name} - {mine})
+  if others:
+    text += (f" These are not the settings of the attack table's "
+             f"{name.upper()} ({'; '.join(others)}): at the same eps the two "
+             "accuracies need not agree (the stronger attack gives the "
+             "lower one).")
+  return text
 
 
 def _plot_sweep(eps: Sequence[float], acc: Sequence[float],
@@ -153,10 +212,10 @@ def evaluate_robustness(model: nn.Module, variables: Mapping[str, Any],
   evaluator = Evaluator(model, variables, mean, std, partitioning,
                         image_size=data_config.get("image_size"))
   data = _subset(test, cfg["num_examples"])
-  sections = []
+  sections, results = [], []
 
   if cfg["attacks"]:
-    rows, results = [], []
+    rows = []
     for attack in cfg["attacks"]:
       attack = dict(attack)
       n = attack.pop("num_examples", None)
@@ -168,15 +227,17 @@ def evaluate_robustness(model: nn.Module, variables: Mapping[str, Any],
       writer.write(step, f"adversarial/{name}",
                    {**m, "eps": eps, "num_examples": len(subset)})
       results.append((attack, m, len(subset)))
-      routing = [v for k, v in sorted(m.items()) if "routing_change" in k]
-      rows.append([name, eps, len(subset), m["clean_accuracy"],
-                   m["accuracy"], m["prediction_change_rate"],
-                   ", ".join(f"{v:.3f}" for v in routing) or "-"])
+      routing = routing_by_layer(m)
+      rows.append([name, attack_settings(attack), eps, len(subset),
+                   m["clean_accuracy"], m["accuracy"],
+                   m["prediction_change_rate"],
+                   ", ".join(f"{l}: {v:.3f}" for l, v in routing.items())
+                   or "-"])
     sections.append(
         "## Adversarial robustness\n\nAttacks on raw [0, 1] images (eps in "
         "those units), deterministic model, identical batching for clean and "
         "attacked inputs.\n\n" + markdown_table(
-            ["attack", "eps", "examples", "clean acc", "adv acc",
+            ["attack", "settings", "eps", "examples", "clean acc", "adv acc",
              "prediction change", "routing change per MoE layer"], rows))
     sections += autoattack_section(results, workdir)
 
@@ -196,12 +257,15 @@ def evaluate_robustness(model: nn.Module, variables: Mapping[str, Any],
           routing.setdefault(k.split("/")[0], []).append(v)
     path = os.path.join(workdir, f"robustness_{attack['name']}.png")
     _plot_sweep(eps_list, acc, routing, attack["name"].upper(), path)
-    rows = [[e, a] + [routing[l][i] for l in sorted(routing)]
+    layers = sorted(routing, key=block_index)
+    rows = [[e, a] + [routing[l][i] for l in layers]
             for i, (e, a) in enumerate(zip(eps_list, acc))]
     sections.append(
-        f"## Robustness curve ({attack['name']})\n\n" + markdown_table(
-            ["eps", "accuracy"] + [f"{l} routing change"
-                                   for l in sorted(routing)], rows)
+        f"## Robustness curve ({attack['name']})\n\n"
+        + sweep_settings_text(attack, [a for a, _, _ in results])
+        + "\n\n" + markdown_table(
+            ["eps", "accuracy"] + [f"{l} routing change" for l in layers],
+            rows)
         + f"\n\n![robustness curve]({os.path.basename(path)})")
 
   if cfg["corruptions"] is not None:
@@ -210,8 +274,10 @@ def evaluate_robustness(model: nn.Module, variables: Mapping[str, Any],
     severities = tuple(corr["severities"])
     subset = _subset(data, corr["num_examples"])
     table: dict[str, dict[int, float]] = {}
-    with progress_bar(total=len(names) * len(severities),
-                      desc="corruptions") as bar:
+    total = len(names) * len(severities)
+    with progress_bar(total=total, desc="corruptions") as bar:
+      progress = BatchProgress(bar, total, "evaluate: corruptions",
+                               unit="(corruption, severity) pairs")
       for name in names:
         table[name] = {}
         for severity in severities:
@@ -220,7 +286,7 @@ def evaluate_robustness(model: nn.Module, variables: Mapping[str, Any],
                                    subset.name)
           table[name][severity] = clean_accuracy(evaluator, corrupted,
                                                  batch_size)
-          bar.update(1)
+          progress.update(1)
         progress_line(bar, f"corruption {name}: accuracy per severity "
                       + ", ".join(f"{table[name][s]:.3f}" for s in severities))
     errors = corruption_errors(table)

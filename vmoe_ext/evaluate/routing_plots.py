@@ -156,9 +156,12 @@ def plot_router_state_heatmaps(records: Sequence[Mapping[str, Any]],
   values = [a for v in series.values() for a in v.values()]
   vmin = min(0.0, min(float(a.min()) for a in values))
   vmax = max(max(float(a.max()) for a in values), vmin + 1e-12)
+  # At least 4.8 inches wide: the title and the colour bar's labels fit
+  # even with one logged step (one column).
   fig, axes = figures.subplots(len(keys), len(steps), squeeze=False,
-                             figsize=(2.4 * len(steps) + 1.2,
-                                      2.3 * len(keys) + 0.5))
+                               figsize=(max(2.4 * len(steps) + 1.6, 4.8),
+                                        2.3 * len(keys) + 1.0),
+                               layout="constrained")
   image = None
   for row, key in enumerate(keys):
     match = STATE_KEY.match(key)
@@ -177,10 +180,9 @@ def plot_router_state_heatmaps(records: Sequence[Mapping[str, Any]],
         ax.set_title(f"step {step}", fontsize="small")
       if col == 0:
         ax.set_ylabel(name, fontsize="small")
-  fig.suptitle(f"Router state '{leaf}' [E, E] over training (row: from "
+  fig.suptitle(f"Router state '{leaf}' [E, E] over training\n(row: from "
                "expert, column: to expert)", fontsize="medium")
-  fig.tight_layout(rect=(0, 0, 0.9, 1))
   if image is not None:
-    fig.colorbar(image, cax=fig.add_axes((0.91, 0.12, 0.02, 0.72)))
+    fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8)
   fig.savefig(path, dpi=100)
   return True

@@ -1,5 +1,6 @@
 """The routing analysis of a run's final evaluation: one `routing` line in
-`metrics.jsonl`, `expert_maps.png`, `tsne_experts.png`,
+`metrics.jsonl`, `expert_maps.png`, `tsne_experts.png` (at most
+`MAX_TSNE_LAYERS` MoE layers: a t-SNE takes seconds a layer),
 `symphony_adjacency.png` and the report's "## Routing analysis" section."""
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from vmoe_ext.evaluate.routing_plots import (plot_expert_maps,
                                              plot_tsne)
 from vmoe_ext.naming import block_index
 from vmoe_ext.reporting.report_parts import markdown_table
-from vmoe_ext.reporting.writers import (MetricWriter, progress_bar,
-                                       progress_line)
+from vmoe_ext.reporting.progress import (BatchProgress, progress_bar,
+                                         progress_line)
+from vmoe_ext.reporting.writers import MetricWriter
 from vmoe_ext.sharding.multihost import is_main_process
 
 SPLIT = "routing"
@@ -29,6 +31,7 @@ EXPERT_MAPS = "expert_maps.png"
 TSNE = "tsne_experts.png"
 ADJACENCY = "symphony_adjacency.png"
 MIN_TSNE_TOKENS = 10
+MAX_TSNE_LAYERS = 4  # Panels of the t-SNE figure (`tsne_layers`).
 
 
 def evaluate_routing(model: nn.Module, variables: Mapping[str, Any],
@@ -62,12 +65,13 @@ def evaluate_routing(model: nn.Module, variables: Mapping[str, Any],
   batches = eval_batches(test, batch_size,
                          image_size=data_config.get("image_size"), mean=mean,
                          std=std)
-  with progress_bar(total=-(-len(test) // batch_size),
-                    desc="routing") as bar:
+  num_batches = -(-len(test) // batch_size)
+  with progress_bar(total=num_batches, desc="routing") as bar:
+    progress = BatchProgress(bar, num_batches, "evaluate: routing analysis")
     analysis = analyze_routing(model, variables, batches, mean=mean, std=std,
                                map_examples=map_examples(len(test)),
                                num_tokens=data_config.analysis_tsne_tokens,
-                               seed=seed, on_batch=lambda: bar.update(1),
+                               seed=seed, on_batch=progress.update,
                                partitioning=partitioning)
     if analysis is None:
       return []
@@ -93,6 +97,18 @@ def map_examples(num_examples: int, count: int = MAP_IMAGES) -> list[int]:
                     .round().astype(int).tolist())) if num_examples else []
 
 
+def tsne_layers(layers: Sequence[str],
+                max_layers: int = MAX_TSNE_LAYERS) -> list[str]:
+  """The MoE layers of the t-SNE figure: all of them up to `max_layers`,
+  else `max_layers` evenly spaced by block, the first and last included (a
+  t-SNE costs seconds a layer: a Swin-MoE-S has ten MoE layers)."""
+  layers = sorted(layers, key=block_index)
+  if len(layers) <= max_layers:
+    return layers
+  picks = np.linspace(0, len(layers) - 1, max_layers).round().astype(int)
+  return [layers[i] for i in sorted(set(picks.tolist()))]
+
+
 def _figures(analysis: RoutingAnalysis, records, workdir: str,
              seed: int) -> list[tuple[str, str]]:
   """Writes the PNGs; `[(caption, file name)]` of those written."""
@@ -101,11 +117,14 @@ def _figures(analysis: RoutingAnalysis, records, workdir: str,
                       os.path.join(workdir, EXPERT_MAPS)):
     out.append(("expert maps", EXPERT_MAPS))
   sample = analysis.sample
-  embeddings = {l: tsne_embedding(x, seed) for l, x in sample.tokens.items()
-                if len(x) >= MIN_TSNE_TOKENS}
+  enough = [l for l, x in sample.tokens.items() if len(x) >= MIN_TSNE_TOKENS]
+  layers = tsne_layers(enough)
+  embeddings = {l: tsne_embedding(sample.tokens[l], seed) for l in layers}
+  some = (f" ({', '.join(layers)} of {len(enough)} MoE layers)"
+          if len(layers) < len(enough) else "")
   if plot_tsne(embeddings, sample.experts, analysis.num_experts,
                os.path.join(workdir, TSNE)):
-    out.append(("t-SNE of MoE inputs", TSNE))
+    out.append((f"t-SNE of MoE inputs{some}", TSNE))
   if plot_router_state_heatmaps(records, os.path.join(workdir, ADJACENCY)):
     out.append(("Symphony adjacency over training", ADJACENCY))
   return out

@@ -8,14 +8,15 @@ PNG is written (`fig.savefig` renders with matplotlib's Agg file canvas).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 
 def subplots(nrows: int = 1, ncols: int = 1, *,
-             figsize: tuple[float, float], **kwargs: Any
-             ) -> tuple[Any, Any]:
+             figsize: tuple[float, float], layout: Optional[str] = None,
+             **kwargs: Any) -> tuple[Any, Any]:
   """`(figure, axes)` as `pyplot.subplots` gives them (`kwargs`: e.g.
-  `squeeze=False`), but outside pyplot."""
+  `squeeze=False`; `layout`: the figure's layout engine, e.g.
+  "constrained"), but outside pyplot."""
   from matplotlib.figure import Figure
-  fig = Figure(figsize=figsize)
+  fig = Figure(figsize=figsize, layout=layout)
   return fig, fig.subplots(nrows, ncols, **kwargs)

@@ -1,4 +1,5 @@
-"""Metric writers: `metrics.jsonl`, TensorBoard event files, progress bars.
+"""Metric writers: `metrics.jsonl` and TensorBoard event files (the progress
+bars and lines: `vmoe_ext.reporting.progress`, re-exported here).
 
 `WORKDIR/metrics.jsonl` is the machine-readable record other tools read
 (docs/training.md, "Outputs and guarantees"): one JSON object per line,
@@ -23,12 +24,14 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from typing import Any, Iterator, Mapping, Optional
 
 import numpy as np
-from tqdm.auto import tqdm
 
+# The progress machinery lives in `progress`; imported from here as well.
+from vmoe_ext.reporting.progress import (BatchProgress, bars_disabled,
+                                         duration, info_line, progress_bar,
+                                         progress_line, wall_time)
 from vmoe_ext.sharding.multihost import is_main_process
 
 METRICS_FILE = "metrics.jsonl"
@@ -290,71 +293,7 @@ def read_metrics(workdir: str) -> list[dict[str, Any]]:
   return records
 
 
-def _in_ci() -> bool:
-  return os.environ.get("CI", "").strip().lower() not in ("", "0", "false",
-                                                          "no")
-
-
-def _interactive() -> bool:
-  """True on a terminal (stderr is a tty) or in a Jupyter/Colab kernel."""
-  if "ipykernel" in sys.modules:
-    return True
-  try:
-    return sys.stderr.isatty()
-  except (AttributeError, ValueError):
-    return False
-
-
-def progress_bar(total: int, desc: str, **kw):
-  """A tqdm progress bar on stderr, quiet off a terminal.
-
-  The bar is disabled when stderr is not a terminal (a Jupyter/Colab kernel
-  counts as one) or the `CI` environment variable is set (to anything but
-  "", "0", "false", "no"), unless the caller passes `disable=` explicitly.
-  A disabled bar accepts `update`, `set_postfix`, iteration and `close` as
-  no-ops. Always disabled on the processes other than 0 of a multi-process
-  job: one process reports.
-
-  Args:
-    total: expected number of iterations.
-    desc: label shown before the bar.
-    **kw: further `tqdm.tqdm` arguments.
-  """
-  if not is_main_process():
-    kw["disable"] = True
-  elif kw.get("disable") is None:
-    kw["disable"] = bars_disabled()
-  kw.setdefault("file", sys.stderr)
-  kw.setdefault("dynamic_ncols", True)
-  return tqdm(total=total, desc=desc, **kw)
-
-
-def bars_disabled() -> bool:
-  """True where `progress_bar` is quiet: off a terminal or under CI."""
-  return _in_ci() or not _interactive()
-
-
-def progress_line(bar, text: str) -> None:
-  """Prints `text` as one line on stderr when `bar` is disabled (or, for
-  `bar=None`, where bars are: `bars_disabled()`), so runs under nohup, a pipe
-  or CI show progress. Nothing on the processes other than 0 of a
-  multi-process job."""
-  if not is_main_process():
-    return
-  if (bars_disabled() if bar is None else getattr(bar, "disable", False)):
-    print(text, file=sys.stderr, flush=True)
-
-
-def duration(seconds: float) -> str:
-  """`duration(3725) == "1h02m05s"`, `duration(65) == "1m05s"`."""
-  seconds = max(int(round(seconds)), 0)
-  h, rest = divmod(seconds, 3600)
-  m, s = divmod(rest, 60)
-  if h:
-    return f"{h}h{m:02d}m{s:02d}s"
-  return f"{m}m{s:02d}s" if m else f"{s}s"
-
-
-__all__ = ["MAX_ARRAY_SIZE", "METRICS_FILE", "MetricWriter",
-           "TENSORBOARD_DIR", "bars_disabled", "duration", "flatten_metrics", "progress_bar",
-           "progress_line", "read_metrics"]
+__all__ = ["BatchProgress", "MAX_ARRAY_SIZE", "METRICS_FILE", "MetricWriter",
+           "TENSORBOARD_DIR", "bars_disabled", "duration", "flatten_metrics",
+           "info_line", "progress_bar", "progress_line", "read_metrics",
+           "wall_time"]

@@ -5,7 +5,6 @@ run and calls `train_loop`."""
 from __future__ import annotations
 
 import contextlib
-import logging
 import signal
 import sys
 import threading
@@ -21,7 +20,6 @@ from vmoe_ext.reporting.writers import (MetricWriter, duration, progress_bar,
 from vmoe_ext.train.optimizer import make_learning_rate
 from vmoe_ext.train.steps import make_train_step, router_state_metrics
 
-log = logging.getLogger(__name__)
 
 
 class NonFiniteError(FloatingPointError):
