@@ -79,6 +79,41 @@ def config_for(name: str, seed: int, arg: Optional[str] = None):
   return config
 
 
+def describe_evaluation(config) -> str:
+  """What `config`'s robustness section evaluates, with its real numbers:
+  "FGSM / PGD-2 at eps 0.05 and the corruption suite (severities 3) on 32
+  test images, clean accuracy on the whole test split." (e.g. study.py's
+  quick-mode report header)."""
+  rob = config.get("robustness")
+  if rob is None:
+    return "Clean accuracy on the whole test split; no robustness evaluation."
+  attacks = []
+  for a in rob.attacks:
+    name = a["name"].upper() + (f"-{a['steps']}" if a.get("steps") else "")
+    attacks.append(name + (f" on {a['num_examples']}"
+                           if a.get("num_examples") else ""))
+  parts = []
+  if attacks:
+    eps = sorted({a.get("eps") for a in rob.attacks})
+    parts.append(" / ".join(attacks)
+                 + f" at eps {', '.join(f'{e:g}' for e in eps)}")
+  if rob.get("sweep"):
+    sweep = rob.sweep
+    name = sweep["attack"]["name"].upper()
+    steps = sweep["attack"].get("steps")
+    parts.append(f"a {name}{f'-{steps}' if steps else ''} eps sweep")
+  corr = rob.get("corruptions")
+  if corr is not None:
+    severities = ", ".join(str(v) for v in corr["severities"])
+    names = corr.get("names")
+    parts.append(f"{'the corruption suite' if not names else ', '.join(names)}"
+                 f" (severities {severities})")
+  n = rob.get("num_examples")
+  where = f"{n} test images" if n else "the whole test split"
+  return (" and ".join(parts) + f" on {where}, " if parts else "") + (
+      "clean accuracy on the whole test split.")
+
+
 def figures(workdir: str):
   """`{column: value}` of a finished run (NaN where a figure is missing), or
   None if the run has not finished."""

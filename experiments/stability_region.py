@@ -1,7 +1,9 @@
 """The stability region of MomentumSMoE (Proposition 1) against plain SMoE.
 
-    python experiments/stability_region.py [--out experiments/stability_region.png]
+    python experiments/stability_region.py [--out runs/stability_region]
         [--n-mu 481] [--n-gs 501]
+    python experiments/stability_region.py --out experiments  # the committed
+                                                              # figure
 
 Claim (MomentumSMoE, Teo & Nguyen 2024, §3, Lemma 1, Proposition 1,
 Corollary 1): linearised around a fixed point, each eigen-direction of the
@@ -29,8 +31,10 @@ What the script does, all in numpy (no model, seconds on CPU):
   the analytic boundary (a check, printed, not asserted), and the stable
   gamma sigma interval measured on a fine 1-D sweep at each operating mu.
 
-Writes the PNG (Agg backend, 7x5 in at 120 dpi) to --out, by default next
-to this script.
+Writes `stability_region.png` (Agg backend, 7x5 in at 120 dpi) into the
+directory --out (created if missing), by default `runs/stability_region`
+like the other scripts' outputs; `--out experiments` replaces the figure
+committed next to this script.
 """
 
 from __future__ import annotations
@@ -54,8 +58,8 @@ OPERATING_POINTS = (
     (0.8, r"$\mu = 0.8$ (authors' V-MoE config)", "tab:brown", "--"),
     (0.04, r"$\mu = 0.04$ (robust momentum, V-MoE)", "tab:orange", ":"),
 )
-DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                           "stability_region.png")
+DEFAULT_OUT = os.path.join("runs", "stability_region")
+FIGURE = "stability_region.png"
 
 
 def iteration_matrices(mu: np.ndarray, gs: np.ndarray) -> np.ndarray:
@@ -111,7 +115,8 @@ def stable_interval(mu: float, n: int = 100_001
 
 def plot(mu: np.ndarray, gs: np.ndarray, radius: np.ndarray,
          out: str) -> None:
-  """Heatmap of log10 rho(A) with the analytic and numerical boundaries."""
+  """Heatmap of log10 rho(A) with the analytic and numerical boundaries,
+  saved as the PNG file `out`."""
   fig, ax = subplots(figsize=(7, 5))
   log_rho = np.clip(np.log10(np.maximum(radius, 1e-12)), -0.3, 0.3)
   image = ax.imshow(log_rho, origin="lower", aspect="auto",
@@ -149,17 +154,21 @@ def plot(mu: np.ndarray, gs: np.ndarray, radius: np.ndarray,
                fontsize=9)
   fig.tight_layout()
   os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-  fig.savefig(out, dpi=120)
+  fig.savefig(out, dpi=120, format="png")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> str:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--out", default=DEFAULT_OUT)
+  parser.add_argument("--out", default=DEFAULT_OUT,
+                      help=f"directory for {FIGURE} (default: %(default)s)")
   parser.add_argument("--n-mu", type=int, default=481,
                       help="grid points along mu (481: step 0.005)")
   parser.add_argument("--n-gs", type=int, default=501,
                       help="grid points along gamma sigma (501: step 0.01)")
   args = parser.parse_args(argv)
+  if os.path.exists(args.out) and not os.path.isdir(args.out):
+    parser.error(f"--out {args.out}: not a directory (--out names the "
+                 f"directory {FIGURE} is written into)")
   mu, gs = np.meshgrid(np.linspace(*MU_RANGE, args.n_mu),
                        np.linspace(*GS_RANGE, args.n_gs))
   radius = spectral_radius(mu, gs)
@@ -181,9 +190,10 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
           f"5e-5) {low:.5f} / {high:.5f}, Proposition 1 (0, "
           f"{2 + 2 * value:.2f}), width "
           f"x{(1 + value):.2f} that of plain SMoE")
-  plot(mu, gs, radius, args.out)
-  print(f"Wrote {args.out} ({os.path.getsize(args.out) / 1024:.0f} KB)")
-  return args.out
+  path = os.path.join(args.out, FIGURE)
+  plot(mu, gs, radius, path)
+  print(f"Wrote {path} ({os.path.getsize(path) / 1024:.0f} KB)")
+  return path
 
 
 if __name__ == "__main__":

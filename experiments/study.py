@@ -28,7 +28,8 @@ from typing import Any, Optional
 import jax
 
 import evaluate_only
-from common import config_for, mean_std, write_report
+from common import (config_for, describe_evaluation, mean_std,
+                    write_report)
 from verdicts import paired, sampling_se, verdict
 from vmoe_ext.app.schema import validate_config
 from vmoe_ext.app.train import train_and_evaluate
@@ -439,15 +440,20 @@ def run_experiment(title: str, intro: Sequence[str],
   claims with verdicts, per-seed values; then `sections(runs, regimes,
   trained candidates)`'s markdown lines, if given) and ROOT/NAME_REGIME.png;
   returns the report and `{regime: claim rows}`. `evaluation` states how
-  each run is evaluated (default: `EVALUATION`). `--quick` checks every
-  candidate's config (`validate_config`: nothing compiles) and trains only
-  `quick_keys`; claims between candidates not trained are left out."""
+  each run is evaluated (default: `EVALUATION`); in quick mode the header
+  says what the quick runs evaluate instead (`describe_evaluation`: their
+  fewer images and steps). `--quick` checks every candidate's config
+  (`validate_config`: nothing compiles) and trains only `quick_keys`;
+  claims between candidates not trained are left out."""
   regimes = [(QUICK_REGIMES if args.quick else REGIMES)[r]
              for r in args.regimes]
   if args.quick:
     for c in candidates:
       validate_config(build_config(c, 0, regimes[0], quick=True))
     candidates = [c for c in candidates if c.key in quick_keys]
+    if candidates:
+      evaluation = "Quick-mode evaluation: " + describe_evaluation(
+          build_config(candidates[0], args.seeds[0], regimes[0], quick=True))
   keys = {c.key for c in candidates}
   claims = [c for c in claims if {c.baseline, c.candidate} <= keys]
   runs = run_grid(candidates, regimes, args.seeds, args.root, args.quick,
