@@ -14,12 +14,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 from absl import flags as absl_flags
-from ml_collections import config_flags
 
 from vmoe_ext.app.context import resolved
-from vmoe_ext.app.schema import ALTERNATIVES, CONFIG, validate_config
-from vmoe_ext.config.overrides import (flag_error, prepare_overrides,
-                                       take_none_overrides)
+from vmoe_ext.app.main import parse_config_flags
+from vmoe_ext.app.schema import CONFIG, validate_config
+from vmoe_ext.config.overrides import flag_error
 from vmoe_ext.config.schema import validate
 from vmoe_ext.errors import ConfigError, join_parts, split_path
 from vmoe_ext.moe.routing import TokenChoiceRouting
@@ -32,17 +31,12 @@ WAS = "the config file's {} (for {}) is "
 
 
 def _flags(name, *args):
-  """`parse_flags`' steps on `configs/NAME.py` and `args`: the resolved
-  config and the notes."""
-  argv = ["prog", *args]
+  """The binary's path (`parse_config_flags`) on `configs/NAME.py` and
+  `args`: the resolved config and the notes."""
   notes = []
-  config = prepare_overrides(load_config(name), argv, CONFIG, notes,
-                             alternatives=ALTERNATIVES)
-  rest = take_none_overrides(config, argv, CONFIG)
   values = absl_flags.FlagValues()
-  config_flags.DEFINE_config_dict("config", config, flag_values=values,
-                                  lock_config=True, sys_argv=rest)
-  values(rest)
+  parse_config_flags(["prog", f"--config=configs/{name}.py", *args], values,
+                     notes)
   return resolved(values.config), notes
 
 

@@ -19,14 +19,13 @@ import shlex
 
 import pytest
 from absl import flags as absl_flags
-from ml_collections import config_flags
 
 from vmoe_ext.app.context import resolved
-from vmoe_ext.app.main import DEFAULT_CONFIG, _split_config_flag
-from vmoe_ext.app.schema import CONFIG, validate_config
-from vmoe_ext.config.overrides import prepare_overrides, take_none_overrides
+from vmoe_ext.app.main import (DEFAULT_CONFIG, _split_config_flag,
+                               parse_config_flags)
+from vmoe_ext.app.schema import validate_config
 from vmoe_ext.errors import ConfigError
-from vmoe_ext.train.config_files import CONFIG_DIR, load_config_flag
+from vmoe_ext.train.config_files import CONFIG_DIR
 
 ROOT = os.path.dirname(CONFIG_DIR)
 DOCS = ["README.md", *sorted(
@@ -70,14 +69,13 @@ COMMANDS = documented_commands()
 
 
 def resolve_command(argv: list[str]):
-  """The resolved config of a binary command line (argv[0] ignored)."""
+  """The resolved config of a binary command line (argv[0] ignored), by the
+  binary's own path (`parse_config_flags`) on fresh flag values."""
   value, rest = _split_config_flag(argv)
-  config = prepare_overrides(load_config_flag(value), rest, CONFIG)
-  rest = take_none_overrides(config, rest, CONFIG)
   values = absl_flags.FlagValues()
-  config_flags.DEFINE_config_dict("config", config, flag_values=values,
-                                  lock_config=True, sys_argv=rest)
-  values(["prog", *(a for a in rest[1:] if a.startswith("--config."))])
+  parse_config_flags(["prog", f"--config={value}",
+                      *(a for a in rest[1:] if a.startswith("--config."))],
+                     values, [])
   return resolved(values.config)
 
 

@@ -30,7 +30,7 @@ from tensorboardX.proto import event_pb2
 from vmoe_ext.app.schema import CONFIG
 from vmoe_ext.config import Field, validate
 from vmoe_ext.app.context import resolved
-from vmoe_ext.config.overrides import prepare_overrides, take_none_overrides
+from vmoe_ext.config.overrides import prepare_overrides
 from vmoe_ext.errors import ConfigError
 from vmoe_ext.models import build_model
 from vmoe_ext.reporting.writers import TIMING_METRICS, read_metrics
@@ -139,17 +139,13 @@ def test_overrides_look_fields_up_with_the_overridden_selector():
 
 def _through_the_flags(name, argv):
   """The config the binary resolves from `configs/NAME.py` and `argv`
-  (`parse_flags`' steps: overrides prepared, None taken, flags parsed),
-  and its notes."""
+  (`parse_config_flags`, the binary's path), and its notes."""
   from absl import flags as absl_flags
-  from ml_collections import config_flags
+  from vmoe_ext.app.main import parse_config_flags
   notes = []
-  config = prepare_overrides(load_config(name), argv, CONFIG, notes)
-  rest = take_none_overrides(config, argv, CONFIG)
   values = absl_flags.FlagValues()
-  config_flags.DEFINE_config_dict("config", config, flag_values=values,
-                                  lock_config=True, sys_argv=rest)
-  values(rest)
+  parse_config_flags([argv[0], f"--config=configs/{name}.py", *argv[1:]],
+                     values, notes)
   return resolved(values.config), notes
 
 

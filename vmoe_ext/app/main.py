@@ -145,6 +145,39 @@ def usage() -> str:
   return "\n".join(lines) + "\n" + _OVERRIDES_HELP
 
 
+def parse_config_flags(argv: Sequence[str], values: flags.FlagValues,
+                       notes: list[str]) -> list[str]:
+  """Loads the config `argv` names and parses its flags into `values`.
+
+  The binary's one path from a command line to its config, also for tools
+  and tests that resolve a command without running it: the config file
+  (`--config=FILE[:ARG]`, else the default), every `--config.FIELD` checked
+  against the schema and made settable (`prepare_overrides`), `=None` taken
+  (`take_none_overrides`), then `values.config` defined and `argv` parsed.
+  One `note:` line per field a component switch removed is printed on
+  stderr and appended to `notes`.
+
+  Returns:
+    the arguments the flag parser left (argv[0] first).
+
+  Raises:
+    ConfigError, flags.Error, or what ml_collections raises on a flag value
+    (`parse_flags` turns each into one line).
+  """
+  value, rest = _split_config_flag(argv)
+  config = prepare_overrides(load_config_flag(value), rest, CONFIG, notes,
+                             alternatives=ALTERNATIVES)
+  for note in notes:
+    print(f"note: {note}", file=sys.stderr)
+  rest = take_none_overrides(config, rest, CONFIG)
+  config_flags.DEFINE_config_dict(
+      "config", config,
+      "Config file (configs/FILE.py[:ARG]); fields can be overridden with "
+      "--config.FIELD=VALUE.", flag_values=values, lock_config=True,
+      sys_argv=rest)
+  return values(rest)
+
+
 def parse_flags(argv: list[str]) -> list[str]:
   """`app.run`'s flag parser: config problems exit 2 without a traceback.
 
@@ -158,19 +191,10 @@ def parse_flags(argv: list[str]) -> list[str]:
     print(usage())
     sys.exit(0)
   rest: list[str] = []
+  notes: list[str] = []
   try:
-    value, rest = _split_config_flag(argv)
-    notes: list[str] = []
-    config = prepare_overrides(load_config_flag(value), rest, CONFIG, notes,
-                               alternatives=ALTERNATIVES)
-    for note in notes:
-      print(f"note: {note}", file=sys.stderr)
-    rest = take_none_overrides(config, rest, CONFIG)
-    config_flags.DEFINE_config_dict(
-        "config", config,
-        "Config file (configs/FILE.py[:ARG]); fields can be overridden with "
-        "--config.FIELD=VALUE.", lock_config=True, sys_argv=rest)
-    return FLAGS(rest)
+    rest = _split_config_flag(argv)[1]
+    return parse_config_flags(argv, FLAGS, notes)
   except ConfigError as e:
     _fail(f"config error: {e}")
   except flags.Error as e:
