@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ import pytest
 from vmoe_ext.attacks import autoattack as AA
 from vmoe_ext.attacks import base, make_attack
 from vmoe_ext.attacks import square as SQ
+from vmoe_ext.attacks.progress import listening
 from vmoe_ext.data import ArrayDataset, load_dataset
 from vmoe_ext.errors import ConfigError
 from vmoe_ext.evaluate.robustness import evaluate_robustness
@@ -71,6 +73,31 @@ def test_chain_bookkeeping_with_stub_attacks():
   assert np.all(np.asarray(x_adv[0]) == 0.0)
   assert np.all(np.asarray(x_adv[1]) == 0.2)
   np.testing.assert_array_equal(x_adv[3], x0[3])
+
+
+def test_the_chain_reports_each_stage_to_the_listener_of_the_call():
+  """After each stage the compiled chain tells the listener active when it
+  runs (not when it was traced) how many examples are still robust: the
+  counts of its own `robust_after` details."""
+  x0 = jnp.full((B,) + SHAPE, 0.9).at[3].set(0.1)
+  labels = jnp.zeros((B,), jnp.int32)
+  runs = [("apgd-ce", _stub([0])), ("apgd-t", _stub([0, 1], value=0.2)),
+          ("square", _stub([2]))]
+  chain = jax.jit(lambda x: AA.run_chain(two_class, x, labels,
+                                         jax.random.key(0), 0.1, 0.0, 1.0,
+                                         runs))
+  x_quiet, d_quiet = chain(x0)  # Compiled with no listener.
+  heard = []
+  with listening(lambda *event: heard.append(event)):
+    x_adv, d = jax.block_until_ready(chain(x0))
+  assert heard == [("apgd-ce", 2, B), ("apgd-t", 1, B), ("square", 0, B)]
+  assert heard == [(s, int(np.sum(d[f"robust_after/{s}"])), B)
+                   for s, _ in runs]
+  chain(x0)[0].block_until_ready()  # The listener is gone: nothing heard.
+  assert len(heard) == 3
+  np.testing.assert_array_equal(x_adv, x_quiet)
+  for k in d:
+    np.testing.assert_array_equal(d[k], d_quiet[k])
 
 
 def _mlp_params(d=16, hidden=12, classes=5):
@@ -239,7 +266,8 @@ def tiny_vmoe():
   return config, model, {"params": params}, data
 
 
-def test_robustness_evaluation_reports_autoattack(tiny_vmoe, tmp_path):
+def test_robustness_evaluation_reports_autoattack(tiny_vmoe, tmp_path,
+                                                  capfd):
   config, model, variables, data = tiny_vmoe
   eps = 0.1
   # The full standard chain is tested on the MLP above; on the V-MoE (one
@@ -266,6 +294,16 @@ def test_robustness_evaluation_reports_autoattack(tiny_vmoe, tmp_path):
   assert standard["accuracy"] == pytest.approx(after[-1], abs=1 / 16)
   assert len(standard["apgd_loss/apgd-ce"]) == SMALL["steps"] + 1
   assert "robust_after/apgd-dlr" in aa[1]
+  # Off a terminal each stage of each batch is a progress line, its count
+  # that of the batch's own bookkeeping (16 images: 2 batches of 8).
+  err = capfd.readouterr().err
+  stages = re.findall(r"evaluate: autoattack batch (\d)/2: "
+                      r"(apgd-ce|square) done, (\d) of the batch's 8 images "
+                      r"still robust, \S+ elapsed", err)
+  assert [(b, s) for b, s, _ in stages] == [
+      ("1", "apgd-ce"), ("1", "square"), ("2", "apgd-ce"), ("2", "square")]
+  robust_square = sum(int(n) for _, s, n in stages if s == "square") / 16
+  assert robust_square == pytest.approx(standard["robust_after/square"])
   report = "\n".join(sections)
   assert "## AutoAttack and APGD" in report
   assert "PGD-3 (attack 0) at the same threat" in report

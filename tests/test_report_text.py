@@ -78,6 +78,25 @@ def test_progress_lines_only_off_a_terminal(capsys):
   assert capsys.readouterr().err == "" and bar.n == 2
 
 
+def test_a_note_inside_a_batch(capsys):
+  """An attack's stage inside the batch under way: a line with the elapsed
+  time off a terminal, the bar's postfix on one."""
+  clock, bar = FakeClock(), FakeBar()
+  p = progress.BatchProgress(bar, 2, "evaluate: autoattack", clock=clock)
+  clock.now += 95.0
+  p.note("apgd-ce done, 3 of the batch's 8 images still robust")
+  assert capsys.readouterr().err == (
+      "evaluate: autoattack batch 1/2: apgd-ce done, 3 of the batch's 8 "
+      "images still robust, 1m35s elapsed\n")
+  bar.disable = False
+  bar.postfix = None
+  bar.set_postfix_str = lambda text: setattr(bar, "postfix", text)
+  p.update()
+  p.note("square done, 0 of the batch's 8 images still robust")
+  assert capsys.readouterr().err == ""
+  assert bar.postfix == "square done, 0 of the batch's 8 images still robust"
+
+
 class FakeEvaluator:
   """What `attack_metrics` calls: an identity attack and a forward whose
   logits predict class 0 (MoE masks of two layers, unchanged)."""

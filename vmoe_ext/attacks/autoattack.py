@@ -31,6 +31,9 @@ attack's best point (APGD: the highest loss; Square: the lowest margin; FAB
 keeps the point it was given), so that routing statistics under attack see a
 perturbed image for every example.
 
+After each attack the ensemble reports how many examples are still robust
+to the active `vmoe_ext.attacks.progress` listener (the evaluation prints it).
+
 The result's `details` (`autoattack_details`): per example, whether it was
 broken after each attack, and APGD's best-loss trajectories; a point broken
 by the black-box Square attack but by none of the white-box ones flags
@@ -45,7 +48,7 @@ from typing import Any, Callable, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from vmoe_ext.attacks import base
+from vmoe_ext.attacks import base, progress
 from vmoe_ext.attacks.apgd import (SCHEDULES, apgd_run, check_apgd,
                                    check_classes)
 from vmoe_ext.attacks.fab import fab_run
@@ -141,6 +144,7 @@ def run_chain(logits_fn: base.LogitsFn, x0: Array, labels: Array,
       white_done = white_done | broken
     done, x_cur = broken, x_out
     details[f"robust_after/{name}"] = ~done
+    progress.stage_done(name, ~done)
   names = [name for name, _ in runs]
   details["square_only"] = (done & ~white_done if "square" in names
                             else jnp.zeros_like(done))

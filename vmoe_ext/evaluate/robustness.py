@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from vmoe_ext.attacks.progress import listening
 from vmoe_ext.attacks.registry import get_attack
 from vmoe_ext.classification import topk_correct
 from vmoe_ext.config.defaults import fill_defaults
@@ -88,10 +89,13 @@ def attack_metrics(evaluator: Evaluator, dataset: ArrayDataset,
     progress_line(bar, f"evaluate: {desc} on {len(dataset)} images, "
                   f"{num_batches} batch{'es' if num_batches > 1 else ''}...")
     progress = BatchProgress(bar, num_batches, f"evaluate: {desc}")
+    stage_note = lambda stage, robust, n: progress.note(  # noqa: E731
+        f"{stage} done, {robust} of the batch's {n} images still robust")
     for i, batch in enumerate(batches):
       x, y, mask = batch["image"], batch["label"], batch["mask"]
-      x_adv, diagnostics = attack(jnp.asarray(x), jnp.asarray(y),
-                                  jax.random.fold_in(key, i))
+      with listening(stage_note):  # An ensemble's stages (AutoAttack).
+        x_adv, diagnostics = jax.block_until_ready(attack(
+            jnp.asarray(x), jnp.asarray(y), jax.random.fold_in(key, i)))
       for name, value in jax.device_get(diagnostics).items():
         value = np.asarray(value, np.float64)[mask]
         present = ~np.isnan(value)

@@ -124,6 +124,16 @@ class BatchProgress:
     self.printed = now
     progress_line(self.bar, self.line(now))
 
+  def note(self, text: str) -> None:
+    """An event inside the batch under way (an attack's stage): the bar's
+    postfix on a terminal; off one, a line with the elapsed time
+    (`"{label} batch 1/2: apgd-ce done, ..., 1m02s elapsed"`)."""
+    if not getattr(self.bar, "disable", True):
+      self.bar.set_postfix_str(text)
+    progress_line(self.bar, f"{self.label} batch {self.done + 1}/"
+                  f"{self.total}: {text}, "
+                  f"{duration(self.clock() - self.start)} elapsed")
+
   def line(self, now: float) -> str:
     """The progress line at time `now`."""
     left = max(self.total - self.done, 0)
