@@ -156,7 +156,7 @@ def test_evaluating_a_checkpoint_names_it_and_shows_progress(
   evaluate_checkpoint(config, out)
   err = capfd.readouterr().err.splitlines()
   source = os.path.abspath(run)
-  assert f"info: Evaluated checkpoint: step 3 of {source}." in err
+  assert f"info: Evaluating checkpoint: step 3 of {source}." in err
   assert "evaluate: fgsm on 70 images, 2 batches..." in err
   progress = [l for l in err if l.startswith("evaluate: fgsm ")
               and " batches, " in l]

@@ -86,7 +86,8 @@ def evaluate_checkpoint(config: Any, workdir: str, *,
     check_source(source)
   evaluated = ctx.open_evaluation(source)
   step = int(ctx.state.step)
-  info_line(evaluated.replace("`", ""))
+  # The report's line says what was evaluated; the console says it first.
+  info_line(evaluated.replace("`", "").replace("Evaluated", "Evaluating", 1))
   records = [] if from_init else _training_record(source, step)
   out = output_dir(workdir)
   with WorkdirLock(out), MetricWriter(out) as writer:
