@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from vmoe_ext.attacks import progress as attacks_progress
 from vmoe_ext.data import ArrayDataset
 from vmoe_ext.evaluate import autoattack_report
 from vmoe_ext.evaluate.robustness import (attack_metrics, attack_settings,
@@ -130,6 +131,39 @@ def test_attack_metrics_prints_a_line_per_batch(capsys, monkeypatch):
   assert "left" in batches[0] and "left" not in batches[-1]
   assert m["accuracy"] == pytest.approx(3 / 5)  # Labels 0: 3 of 5.
   assert routing_by_layer(m) == {"layer_2": 0.0, "layer_10": 0.0}
+
+
+class StagedEvaluator(FakeEvaluator):
+  """An ensemble's stand-in: one stage that leaves the examples of label 0
+  robust, reported as the compiled chain reports its stages."""
+
+  def attack(self, config, details=False):
+    del config, details
+
+    def run(x, y, k):
+      del k
+      attacks_progress._dispatch("apgd-ce", np.asarray(y) == 0)  # pylint: disable=protected-access
+      return x, {}
+
+    return run
+
+
+def test_stage_lines_count_the_real_images_of_a_padded_batch(capsys,
+                                                             monkeypatch):
+  monkeypatch.setenv("CI", "1")
+  labels = np.array([0, 1, 0, 2, 0], np.int32)
+  data = ArrayDataset(np.zeros((5, 2, 2, 1), np.float32), labels, 3, "t")
+  attack_metrics(StagedEvaluator(), data, {"name": "autoattack", "eps": 0.1},
+                 batch_size=4, seed=0, desc="autoattack")
+  stages = [l.rsplit(", ", 1)[0] for l in capsys.readouterr().err.splitlines()
+            if " done, " in l]
+  # The last batch holds one image and three of padding: only the image
+  # counts.
+  assert stages == [
+      "evaluate: autoattack batch 1/2: apgd-ce done, 2 of the batch's 4 "
+      "images still robust",
+      "evaluate: autoattack batch 2/2: apgd-ce done, 1 of the batch's 1 "
+      "images still robust"]
 
 
 def test_info_line_and_wall_time(capsys):

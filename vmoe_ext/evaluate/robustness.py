@@ -89,10 +89,13 @@ def attack_metrics(evaluator: Evaluator, dataset: ArrayDataset,
     progress_line(bar, f"evaluate: {desc} on {len(dataset)} images, "
                   f"{num_batches} batch{'es' if num_batches > 1 else ''}...")
     progress = BatchProgress(bar, num_batches, f"evaluate: {desc}")
-    stage_note = lambda stage, robust, n: progress.note(  # noqa: E731
-        f"{stage} done, {robust} of the batch's {n} images still robust")
     for i, batch in enumerate(batches):
       x, y, mask = batch["image"], batch["label"], batch["mask"]
+
+      def stage_note(stage: str, robust: np.ndarray, mask=mask) -> None:
+        progress.note(f"{stage} done, {int(robust[mask].sum())} of the "
+                      f"batch's {int(mask.sum())} images still robust")
+
       with listening(stage_note):  # An ensemble's stages (AutoAttack).
         x_adv, diagnostics = jax.block_until_ready(attack(
             jnp.asarray(x), jnp.asarray(y), jax.random.fold_in(key, i)))
