@@ -196,12 +196,19 @@ def test_attack_settings_and_sweep_text():
   sweep = dict(name="pgd", steps=5, random_start=False)
   assert attack_settings(table_pgd) == (
       "norm=linf, steps=10, step_size=0.0125, random_start=True, restarts=1")
-  # Defaults come from the attack: PGD derives its step size.
-  assert attack_settings(sweep) == (
-      "norm=linf, steps=5, step_size=auto, random_start=False, restarts=1")
+  # Defaults come from the attack: PGD derives its step size, AutoAttack
+  # its attacks from the version.
+  assert attack_settings(sweep) == ("norm=linf, steps=5, "
+                                    "step_size=2.5*eps/steps, "
+                                    "random_start=False, restarts=1")
+  assert attack_settings(dict(name="autoattack", eps=0.05)).startswith(
+      "version=standard, attacks=apgd-ce+apgd-t+fab-t+square, norm=linf")
+  assert "attacks=apgd-ce+apgd-dlr," in attack_settings(
+      dict(name="autoattack", eps=0.05, version="rand"))
   text = sweep_settings_text(sweep, [dict(name="fgsm", eps=0.05), table_pgd])
-  assert text.startswith("PGD with norm=linf, steps=5, step_size=auto, "
-                         "random_start=False, restarts=1, at each eps")
+  assert text.startswith("PGD with norm=linf, steps=5, "
+                         "step_size=2.5*eps/steps, random_start=False, "
+                         "restarts=1, at each eps")
   assert ("not the settings of the attack table's PGD (norm=linf, steps=10, "
           "step_size=0.0125, random_start=True, restarts=1)") in text
   # The same settings: nothing to explain.

@@ -23,7 +23,9 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from vmoe_ext.attacks.autoattack import stages_of
 from vmoe_ext.attacks.progress import listening
+from vmoe_ext.attacks.projected_gradient import DEFAULT_STEP_FACTOR
 from vmoe_ext.attacks.registry import get_attack
 from vmoe_ext.classification import topk_correct
 from vmoe_ext.config.defaults import fill_defaults
@@ -137,10 +139,22 @@ SHOWN_SETTINGS = ("version", "attacks", "norm", "steps", "step_size",
                   "random_start", "restarts", "samples", "queries")
 
 
+def _derived(name: str, attack: Mapping[str, Any],
+             params: Mapping[str, inspect.Parameter]) -> str:
+  """How an attack derives a setting left at None: AutoAttack's version's
+  attacks, PGD's step size; `auto` for another."""
+  if name == "attacks" and "version" in params:
+    version = attack.get("version", params["version"].default)
+    return "+".join(stages_of(version, None))
+  if name == "step_size" and attack["name"] == "pgd":
+    return f"{DEFAULT_STEP_FACTOR:g}*eps/steps"
+  return "auto"
+
+
 def attack_settings(attack: Mapping[str, Any]) -> str:
   """`"steps=10, step_size=0.0125, random_start=True, ..."`: the attack's
   main settings as it runs (the config's value, else the attack's default;
-  `auto` for a default the attack derives, e.g. PGD's step size), eps and
+  for a default the attack derives, how: `step_size=2.5*eps/steps`), eps and
   the example count left out."""
   params = inspect.signature(get_attack(attack["name"])).parameters
   out = []
@@ -151,7 +165,7 @@ def attack_settings(attack: Mapping[str, Any]) -> str:
       value = params[name].default
     else:
       continue
-    value = "auto" if value is None else value
+    value = _derived(name, attack, params) if value is None else value
     if isinstance(value, (tuple, list)):
       value = "+".join(map(str, value))
     out.append(f"{name}={value}")
