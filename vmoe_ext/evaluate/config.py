@@ -92,6 +92,9 @@ ROBUSTNESS = Section({
                       doc="{name: {kind, source, ...}}: "
                           "vmoe_ext.evaluate.datasets"),
     "seed": Field("int", 0, low=0),
+    "per_example": Field("bool", False,
+                         doc="also write per_example.npz: each test image's "
+                             "top-1 / top-5 correctness per evaluation"),
     "checkpoint_dir": Field("str", None, nullable=True,
                             doc="set: only evaluate that run's checkpoint"),
     "from_init": Field("bool", False,

@@ -31,13 +31,15 @@ from vmoe_ext.classification import topk_correct
 from vmoe_ext.config.defaults import fill_defaults
 from vmoe_ext.config.schema import plain
 from vmoe_ext.data import ArrayDataset, default_normalization, eval_batches
+from vmoe_ext.data.readers import ArrayReader
 from vmoe_ext.data.corruptions import CORRUPTIONS, corrupt
 from vmoe_ext.evaluate.autoattack_report import autoattack_section
 from vmoe_ext.evaluate.config import ROBUSTNESS
 from vmoe_ext.evaluate.corruption_metrics import corruption_errors
 from vmoe_ext.evaluate.datasets import check_datasets, evaluate_datasets
-from vmoe_ext.evaluate.evaluator import Evaluator, clean_accuracy
+from vmoe_ext.evaluate.evaluator import Evaluator
 from vmoe_ext.evaluate.metrics import routing_change_rate
+from vmoe_ext.evaluate.per_example import PerExample, eval_name, subset_index
 from vmoe_ext.naming import block_index, metric_key_of
 from vmoe_ext.reporting import figures
 from vmoe_ext.reporting.report_parts import bar_chart, markdown_table
@@ -56,13 +58,21 @@ def robustness_config(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _subset(dataset: ArrayDataset, n: Optional[int]) -> ArrayDataset:
+  """The evaluation subset of `n` images (`per_example.subset_index`)."""
   if n is None or n >= len(dataset):
     return dataset
-  # The test splits are stored class by class: take an evenly spaced subset
-  # so every class is represented.
-  idx = np.linspace(0, len(dataset) - 1, n).round().astype(int)
+  idx = subset_index(len(dataset), n)
   return ArrayDataset(dataset.images[idx], dataset.labels[idx],
                       dataset.num_classes, dataset.name)
+
+
+def _correct(evaluator: Evaluator, dataset: ArrayDataset, batch_size: int
+             ) -> tuple[np.ndarray, np.ndarray]:
+  """`[n]` top-1 and top-5 correctness of every example of `dataset`."""
+  logits, labels = evaluator.predict(ArrayReader(dataset), batch_size)
+  if not len(labels):
+    return np.zeros(0, bool), np.zeros(0, bool)
+  return topk_correct(logits, labels, 1), topk_correct(logits, labels, 5)
 
 
 def _accumulate(total: dict, key: str, value: float, weight: float) -> None:
@@ -72,7 +82,9 @@ def _accumulate(total: dict, key: str, value: float, weight: float) -> None:
 
 def attack_metrics(evaluator: Evaluator, dataset: ArrayDataset,
                    attack_config: Mapping[str, Any], batch_size: int,
-                   seed: int, desc: str = "attack") -> dict[str, float]:
+                   seed: int, desc: str = "attack",
+                   outcomes: Optional[dict[str, np.ndarray]] = None
+                   ) -> dict[str, float]:
   """Clean vs attacked metrics of one attack over every example of `dataset`.
 
   Returns `clean_accuracy`, `accuracy` and `top5_accuracy` (attacked),
@@ -80,9 +92,12 @@ def attack_metrics(evaluator: Evaluator, dataset: ArrayDataset,
   (1 - IoU of each token's selected-expert set, averaged over tokens), and
   the attack's diagnostics averaged over the examples (registry `details`:
   e.g. AutoAttack's `robust_after/<attack>`, APGD's `apgd_loss/<attack>`
-  trajectory).
+  trajectory). With `outcomes` (a dict), also each example's `[n]`
+  top-1 / top-5 correctness on the attacked inputs (`correct`, `top5`),
+  in the dataset's order.
   """
   attack = evaluator.attack(attack_config, details=True)
+  per_batch: dict[str, list[np.ndarray]] = {"correct": [], "top5": []}
   total: dict[str, tuple[Any, Any]] = {}
   key = jax.random.key(seed)
   num_batches = -(-len(dataset) // batch_size)
@@ -111,12 +126,14 @@ def attack_metrics(evaluator: Evaluator, dataset: ArrayDataset,
       logits_adv, masks_adv = jax.device_get(evaluator.forward(x_adv))
       n = float(mask.sum())
       pred, pred_adv = logits.argmax(-1), logits_adv.argmax(-1)
+      correct_adv = topk_correct(logits_adv, y, 1)[mask]
+      top5_adv = topk_correct(logits_adv, y, 5)[mask]
+      per_batch["correct"].append(correct_adv)
+      per_batch["top5"].append(top5_adv)
       _accumulate(total, "clean_accuracy",
                   np.mean(topk_correct(logits, y, 1)[mask]), n)
-      _accumulate(total, "accuracy",
-                  np.mean(topk_correct(logits_adv, y, 1)[mask]), n)
-      _accumulate(total, "top5_accuracy",
-                  np.mean(topk_correct(logits_adv, y, 5)[mask]), n)
+      _accumulate(total, "accuracy", np.mean(correct_adv), n)
+      _accumulate(total, "top5_accuracy", np.mean(top5_adv), n)
       _accumulate(total, "prediction_change_rate",
                   np.mean((pred != pred_adv)[mask]), n)
       for block, m in masks.items():
@@ -124,6 +141,9 @@ def attack_metrics(evaluator: Evaluator, dataset: ArrayDataset,
         _accumulate(total, f"{layer}/routing_change_rate",
                     routing_change_rate(m[mask], masks_adv[block][mask]), n)
       progress.update(1)
+    if outcomes is not None:
+      outcomes.update({k: np.concatenate(v) if v else np.zeros(0, bool)
+                       for k, v in per_batch.items()})
     result = {k: s / np.maximum(w, 1.0) for k, (s, w) in total.items()}
     result = {k: float(v) if np.ndim(v) == 0 else v
               for k, v in result.items()}
@@ -233,6 +253,10 @@ def evaluate_robustness(model: nn.Module, variables: Mapping[str, Any],
   evaluator = Evaluator(model, variables, mean, std, partitioning,
                         image_size=data_config.get("image_size"))
   data = _subset(test, cfg["num_examples"])
+  data_index = subset_index(len(test), cfg["num_examples"])
+  record = PerExample(test.labels, cfg["per_example"])
+  if record.enabled:
+    record.add("clean", data_index, *_correct(evaluator, data, batch_size))
   sections, results = [], []
 
   if cfg["attacks"]:
@@ -242,9 +266,13 @@ def evaluate_robustness(model: nn.Module, variables: Mapping[str, Any],
       n = attack.pop("num_examples", None)
       subset = _subset(data, n)
       name = attack["name"]
+      outcomes: dict[str, np.ndarray] = {}
       m = attack_metrics(evaluator, subset, attack, batch_size, cfg["seed"],
-                         desc=name)
+                         desc=name, outcomes=outcomes)
       eps = attack.get("eps")
+      record.add(eval_name("adversarial", name, eps),
+                 data_index[subset_index(len(data), n)], outcomes["correct"],
+                 outcomes["top5"])
       writer.write(step, f"adversarial/{name}",
                    {**m, "eps": eps, "num_examples": len(subset)})
       results.append((attack, m, len(subset)))
@@ -268,8 +296,12 @@ def evaluate_robustness(model: nn.Module, variables: Mapping[str, Any],
     eps_list = [float(e) for e in sweep["eps"]]
     acc, routing = [], {}
     for e in eps_list:  # eps = 0 is the clean input (the eps-ball is a point).
+      outcomes = {}
       m = attack_metrics(evaluator, data, {**attack, "eps": e}, batch_size,
-                         cfg["seed"], desc=f"{attack['name']} eps={e:g}")
+                         cfg["seed"], desc=f"{attack['name']} eps={e:g}",
+                         outcomes=outcomes)
+      record.add(eval_name("sweep", attack["name"], e), data_index,
+                 outcomes["correct"], outcomes["top5"])
       writer.write(step, f"sweep/{attack['name']}",
                    {**m, "eps": e, "num_examples": len(data)})
       acc.append(m["accuracy"])
@@ -294,6 +326,7 @@ def evaluate_robustness(model: nn.Module, variables: Mapping[str, Any],
     names = tuple(corr["names"] or CORRUPTIONS)  # None: all
     severities = tuple(corr["severities"])
     subset = _subset(data, corr["num_examples"])
+    subset_at = data_index[subset_index(len(data), corr["num_examples"])]
     table: dict[str, dict[int, float]] = {}
     total = len(names) * len(severities)
     with progress_bar(total=total, desc="corruptions") as bar:
@@ -305,8 +338,11 @@ def evaluate_robustness(model: nn.Module, variables: Mapping[str, Any],
           images = corrupt(subset.images, name, severity, seed=cfg["seed"])
           corrupted = ArrayDataset(images, subset.labels, subset.num_classes,
                                    subset.name)
-          table[name][severity] = clean_accuracy(evaluator, corrupted,
-                                                 batch_size)
+          correct, top5 = _correct(evaluator, corrupted, batch_size)
+          table[name][severity] = (float(np.mean(correct)) if len(correct)
+                                   else 0.0)
+          record.add(f"corruption/{name}/s{severity}", subset_at, correct,
+                     top5)
           progress.update(1)
         progress_line(bar, f"corruption {name}: accuracy per severity "
                       + ", ".join(f"{table[name][s]:.3f}" for s in severities))
@@ -335,5 +371,6 @@ def evaluate_robustness(model: nn.Module, variables: Mapping[str, Any],
     sections += evaluate_datasets(
         evaluator, test, data_config, cfg["datasets"], batch_size=batch_size,
         writer=writer, step=step, workdir=workdir)
+  record.write(workdir)
   return sections
 
