@@ -29,7 +29,7 @@ import jax
 
 import evaluate_only
 from common import (config_for, describe_evaluation, mean_std,
-                    write_report)
+                    paired_evaluation, write_report)
 from verdicts import paired, sampling_se, verdict
 from vmoe_ext.app.schema import validate_config
 from vmoe_ext.app.train import train_and_evaluate
@@ -39,6 +39,11 @@ from vmoe_ext.reporting.writers import read_metrics
 
 EVALUATION = ("FGSM / PGD-10 at eps 0.05 and the corruption suite on 500 "
               "test images, clean accuracy on all 1,000.")
+PAIRED_EVALUATION = (
+    "Clean accuracy, FGSM at eps 0.05 and PGD-10 (random start, step "
+    "eps / 4) at eps 0.01, 0.03 and 0.05 on all 1,000 test images, the "
+    "corruption suite (15 corruptions x 5 severities) on 500 of them, each "
+    "image's outcome recorded for the paired statistics.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,14 +159,20 @@ class Claim:
   candidate: str
   metric: str
   margin: Optional[float] = None
+  # The paper's (baseline, candidate, kind) numbers, kind one of
+  # `paired_stats.PAPER_KINDS`: the effect the row can or cannot detect.
+  paper: Optional[tuple[float, float, str]] = None
 
 
 def build_config(candidate: Candidate, seed: int, regime: Regime,
-                 quick: bool):
+                 quick: bool, per_image: bool = False):
   """The candidate's config for one seed and regime, with the robustness
-  section of `common.config_for` (`EVALUATION`; quick: 2 PGD steps,
-  severity 3, 32 images); the routing analysis without its t-SNE figure."""
+  section of `common.config_for` (`EVALUATION`), or with `per_image` of
+  `common.paired_evaluation` (`PAIRED_EVALUATION`); quick: 2 PGD steps,
+  severity 3, 32 images; the routing analysis without its t-SNE figure."""
   config = config_for(candidate.config, seed, candidate.arg)
+  if per_image:
+    config = paired_evaluation(config)
   for field, value in candidate.overrides:
     *parents, leaf = field.split(".")
     node = config
@@ -196,7 +207,8 @@ def finished(workdir: str) -> bool:
 
 
 def train_run(candidate: Candidate, seed: int, regime: Regime, quick: bool,
-              workdir: str, log: Optional[str] = None) -> None:
+              workdir: str, log: Optional[str] = None,
+              per_image: bool = False) -> None:
   """Trains and evaluates one run into `workdir` (resuming an interrupted
   one); with `log`, this process's output goes to that file."""
   if log is not None:
@@ -204,13 +216,13 @@ def train_run(candidate: Candidate, seed: int, regime: Regime, quick: bool,
     handle = open(log, "a")
     os.dup2(handle.fileno(), 1)
     os.dup2(handle.fileno(), 2)
-  config = build_config(candidate, seed, regime, quick)
+  config = build_config(candidate, seed, regime, quick, per_image)
   train_and_evaluate(config, workdir,
                      after_training=after_training_hook(config, workdir))
 
 
 def seed_evaluate_only(grid: Sequence[tuple[Regime, Candidate, int]],
-                       root: str, quick: bool) -> None:
+                       root: str, quick: bool, per_image: bool = False) -> None:
   """Seeds each not yet started run of a candidate with `trained_as` from
   that candidate's finished run (same regime and seed) where ROOT has one,
   after checking that the two training configs agree."""
@@ -219,8 +231,8 @@ def seed_evaluate_only(grid: Sequence[tuple[Regime, Candidate, int]],
     if source is None:
       continue
     evaluate_only.check_same_training(
-        candidate.key, build_config(candidate, seed, regime, quick),
-        source.key, build_config(source, seed, regime, quick))
+        candidate.key, build_config(candidate, seed, regime, quick, per_image),
+        source.key, build_config(source, seed, regime, quick, per_image))
     evaluate_only.seed_from(run_dir(root, regime, source, seed),
                             run_dir(root, regime, candidate, seed))
 
@@ -243,15 +255,15 @@ def reuse_lines(root: str, regimes: Sequence[Regime],
 
 
 def run_grid(candidates: Sequence[Candidate], regimes: Sequence[Regime],
-             seeds: Sequence[int], root: str, quick: bool, jobs: int = 1
-             ) -> dict:
+             seeds: Sequence[int], root: str, quick: bool, jobs: int = 1,
+             per_image: bool = False) -> dict:
   """`{(regime, key, seed): metrics records}`, training what has not
   finished, `jobs` runs at a time (separate processes, each logging to
   its WORKDIR.log; on 2 cores two at a time give ~1.35x the throughput
-  of one)."""
+  of one); `per_image`: with the paired evaluation (`build_config`)."""
   grid = [(regime, candidate, seed) for regime in regimes
           for candidate in candidates for seed in seeds]
-  seed_evaluate_only(grid, root, quick)
+  seed_evaluate_only(grid, root, quick, per_image)
   todo = [(c, s, r, quick, run_dir(root, r, c, s)) for r, c, s in grid
           if not finished(run_dir(root, r, c, s))]
   if todo:
@@ -266,14 +278,14 @@ def run_grid(candidates: Sequence[Candidate], regimes: Sequence[Regime],
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context
                                                 ) as pool:
-      futures = {pool.submit(train_run, *task, log=task[-1] + ".log"): task
-                 for task in todo}
+      futures = {pool.submit(train_run, *task, log=task[-1] + ".log",
+                             per_image=per_image): task for task in todo}
       for future in concurrent.futures.as_completed(futures):
         future.result()  # A failed run fails the experiment.
         print("finished", futures[future][-1], flush=True)
   else:
     for task in todo:
-      train_run(*task)
+      train_run(*task, per_image=per_image)
   return {(r.name, c.key, s): read_metrics(run_dir(root, r, c, s))
           for r, c, s in grid}
 

@@ -22,17 +22,29 @@ EXPERIMENTS_DIR = os.path.join(os.path.dirname(__file__), os.pardir,
 sys.path.insert(0, EXPERIMENTS_DIR)
 import study  # noqa: E402  pylint: disable=g-import-not-at-top
 
-NAMES = sorted(
-    name[:-3] for name in os.listdir(EXPERIMENTS_DIR)
-    if name.endswith(".py") and name != "study.py"
-    and "run_experiment(" in open(os.path.join(EXPERIMENTS_DIR, name),
-                                  encoding="utf-8").read())
+
+def _calls(name: str, function: str) -> bool:
+  with open(os.path.join(EXPERIMENTS_DIR, name), encoding="utf-8") as f:
+    return f"{function}(" in f.read()
+
+
+_SCRIPTS = [n for n in os.listdir(EXPERIMENTS_DIR)
+            if n.endswith(".py") and n not in ("study.py", "paired_claims.py")]
+# Claims judged per seed (study.run_experiment) or per image
+# (paired_claims.run_paired_experiment).
+PER_IMAGE = sorted(n[:-3] for n in _SCRIPTS
+                   if _calls(n, "run_paired_experiment"))
+NAMES = sorted(n[:-3] for n in _SCRIPTS
+               if _calls(n, " run_experiment")) + PER_IMAGE
 MODULES = {name: importlib.import_module(name) for name in NAMES}
+import paired_claims  # noqa: E402
 
 
 def test_the_study_scripts_are_found():
   assert {"acmoe_vmoe", "routers_vmoe", "momentum_extensions",
-          "momentum_negative_complex", "symphony_experts"} <= set(NAMES)
+          "momentum_negative_complex", "symphony_experts",
+          "momentum_layout"} <= set(NAMES)
+  assert PER_IMAGE == ["momentum_layout"]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -41,10 +53,14 @@ def test_claims_and_quick_keys_name_the_scripts_candidates(name):
   keys = [c.key for c in module.CANDIDATES]
   assert len(keys) == len(set(keys)), f"{name}: a key twice"
   assert set(module.QUICK) <= set(keys), name
+  metrics = (paired_claims.IMAGE_METRICS if name in PER_IMAGE
+             else study.METRICS)
   for claim in module.CLAIMS:
     assert {claim.baseline, claim.candidate} <= set(keys), (name, claim)
-    assert claim.metric in study.METRICS, (name, claim.metric)
-  assert set(module.METRICS) <= set(study.METRICS), name
+    assert claim.metric in metrics, (name, claim.metric)
+    if name in PER_IMAGE:  # Only the listed metrics' outcomes are read.
+      assert claim.metric in module.METRICS, (name, claim.metric)
+  assert set(module.METRICS) <= set(metrics), name
 
 
 def _config(candidate: study.Candidate, regime: study.Regime) -> dict:

@@ -1,0 +1,281 @@
+"""Claims judged image by image: what `study.run_experiment` does for a
+paired experiment (runs evaluated with `study.PAIRED_EVALUATION`, each
+image's outcome in the run's `per_example.npz`).
+
+Per claim and regime: the per-seed mean differences (kept as mean ± std),
+the per-image effect with its standard error and degrees of freedom
+(`paired_stats.paired_images`), the minimum detectable difference, the
+paper's effect on our scale, McNemar's discordant counts, and the verdict
+(`paired_stats.judge`). Every number the report prints is written to
+NAME.json and the per-image outcomes the claims use to NAME_images.npz, so
+that a test can re-derive each verdict from committed files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Sequence
+from typing import Optional
+
+import numpy as np
+
+from paired_stats import ImagePaired, expected_effect, judge, paired_images
+from vmoe_ext.evaluate import per_example
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageMetric:
+  """One per-image outcome: `label`; `better` +1 (accuracy) / -1 (error);
+  `eval_names(regime)`: the per_example.npz evaluations it reads (one:
+  its correctness; several: the image's error averaged over them)."""
+  label: str
+  better: int
+  field: str = "correct"
+
+
+# The PGD radius at which the default V-MoE's PGD accuracy is 30-70% per
+# regime (common.PAIRED_PGD_EPS).
+MID_EPS = {"default": 0.03, "low_data": 0.01}
+
+IMAGE_METRICS = {
+    "clean": ImageMetric("clean accuracy %", +1),
+    "top5": ImageMetric("clean top-5 accuracy %", +1, "top5"),
+    "fgsm": ImageMetric("FGSM accuracy % (eps 0.05)", +1),
+    "pgd": ImageMetric("PGD-10 accuracy % (eps 0.05)", +1),
+    "pgd_mid": ImageMetric("PGD-10 accuracy % (baseline 30-70%: eps 0.03 "
+                           "default, 0.01 low data)", +1),
+    "mce": ImageMetric("corruption error % (per image, mean over 75 "
+                       "conditions)", -1),
+}
+
+
+def eval_names(metric: str, regime: str, available: Sequence[str]
+               ) -> list[str]:
+  """The per_example.npz evaluations behind `metric` in `regime`."""
+  if metric in ("clean", "top5"):
+    return ["clean"]
+  if metric == "fgsm":
+    return [per_example.eval_name("adversarial", "fgsm", 0.05)]
+  if metric == "pgd":
+    return [per_example.eval_name("adversarial", "pgd", 0.05)]
+  if metric == "pgd_mid":
+    return [per_example.eval_name("adversarial", "pgd", MID_EPS[regime])]
+  if metric == "mce":
+    return sorted(n for n in available if n.startswith("corruption/"))
+  raise KeyError(f"no per-image metric {metric!r}")
+
+
+def image_outcomes(workdir: str, metric: str, regime: str
+                   ) -> tuple[np.ndarray, np.ndarray]:
+  """`(index [I], value [I])` of one run: correctness (0/1) for an
+  accuracy, the image's mean error over the conditions for `mce`."""
+  data = per_example.load(workdir)
+  names = eval_names(metric, regime, list(data))
+  if not names or any(n not in data for n in names):
+    raise KeyError(f"{workdir}: no per-image outcomes for {metric} "
+                   f"({names}); was it evaluated with per_example?")
+  spec = IMAGE_METRICS[metric]
+  index = data[names[0]]["index"]
+  values = np.stack([data[n][spec.field] for n in names]).astype(np.float64)
+  if spec.better < 0:
+    return index, 1.0 - values.mean(0)
+  return index, values[0]
+
+
+def outcomes_matrix(paths: Sequence[str], metric: str, regime: str
+                    ) -> np.ndarray:
+  """`[S, I]` outcomes of one candidate's seeds, checked to cover the same
+  images."""
+  rows, first = [], None
+  for path in paths:
+    index, values = image_outcomes(path, metric, regime)
+    if first is None:
+      first = index
+    elif not np.array_equal(first, index):
+      raise ValueError(f"{path}: evaluated on other images than {paths[0]}")
+    rows.append(values)
+  return np.stack(rows)
+
+
+def claim_stats(a: np.ndarray, b: np.ndarray, claim, our_base: float
+                ) -> tuple[ImagePaired, Optional[float], str]:
+  """The claim's paired statistics, the paper's effect on our scale (None
+  where the claim names no paper numbers) and the verdict."""
+  metric = IMAGE_METRICS[claim.metric]
+  diff = paired_images(a, b)
+  expected = None
+  if claim.paper is not None:
+    base, cand, kind = claim.paper
+    expected = expected_effect(base, cand, kind, our_base, metric.better)
+  return diff, expected, judge(diff, metric.better, expected, claim.margin)
+
+
+def _num(x: Optional[float], sign: str = "") -> str:
+  if x is None:
+    return "-"
+  return f"{x:{sign}.2f}"
+
+
+HEADER = ["| source | claim | baseline → candidate | metric | per-seed "
+          "difference (mean ± std) | per-image effect (se, df) | p | "
+          "detects ≥ (MDD) | paper's effect here | discordant (B / A "
+          "right) | verdict |", "|---|---|---|---|---|---|---|---|---|---|"
+          "---|"]
+
+
+def claims_rows(outcomes: dict, regime: str, claims: Sequence, labels: dict
+                ) -> tuple[list[str], list[dict]]:
+  """Markdown rows and JSON records of every claim in `regime`;
+  `outcomes[key, metric]` is the `[S, I]` matrix."""
+  lines, records = list(HEADER), []
+  for claim in claims:
+    a = outcomes[claim.baseline, claim.metric]
+    b = outcomes[claim.candidate, claim.metric]
+    our_base = 100 * float(a.mean())
+    diff, expected, verdict = claim_stats(a, b, claim, our_base)
+    mean_s = float(np.mean(diff.seed_diffs))
+    statement = claim.statement + (
+        f" (\\|difference\\| <= {claim.margin:g})" if claim.margin else "")
+    disc = ("-" if diff.discordant is None
+            else f"{diff.discordant[0]} / {diff.discordant[1]}")
+    lines.append(
+        f"| {claim.source} | {statement} | {labels[claim.baseline]} → "
+        f"{labels[claim.candidate]} | {IMAGE_METRICS[claim.metric].label} | "
+        f"{mean_s:+.2f} ± {diff.seed_std:.2f} | {diff.mean:+.2f} (se "
+        f"{diff.se:.2f}, df {diff.df:.1f}) | {diff.p:.3f} | "
+        f"{diff.mdd:.2f} | {_num(expected, '+')} | {disc} | {verdict} |")
+    records.append(dict(
+        source=claim.source, statement=claim.statement,
+        baseline=claim.baseline, candidate=claim.candidate,
+        metric=claim.metric, regime=regime, paper=claim.paper,
+        margin=claim.margin, baseline_value=our_base,
+        seed_diffs=list(diff.seed_diffs), effect=diff.mean, se=diff.se,
+        df=diff.df, p=diff.p, mdd=diff.mdd, expected=expected,
+        discordant=diff.discordant, verdict=verdict))
+  return lines, records
+
+
+def write_images(path: str, outcomes: dict[str, dict]) -> None:
+  """NAME_images.npz: `REGIME/KEY/METRIC` -> `[S, I]` outcomes, correctness
+  as uint8, per-image errors as float32."""
+  arrays = {}
+  for regime, table in outcomes.items():
+    for (key, metric), matrix in table.items():
+      dtype = np.uint8 if IMAGE_METRICS[metric].better > 0 else np.float32
+      arrays[f"{regime}/{key}/{metric}"] = matrix.astype(dtype)
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  np.savez_compressed(path, **arrays)
+
+
+def read_images(path: str) -> dict[str, dict]:
+  """The inverse of `write_images`: `{regime: {(key, metric): [S, I]}}`."""
+  out: dict[str, dict] = {}
+  with np.load(path) as data:
+    for name in data.files:
+      regime, key, metric = name.split("/")
+      out.setdefault(regime, {})[key, metric] = data[name].astype(
+          np.float64)
+  return out
+
+
+def write_json(path: str, records: dict) -> None:
+  with open(path, "w") as f:
+    json.dump(records, f, indent=1, sort_keys=True)
+
+
+def run_paired_experiment(title: str, intro: Sequence[str],
+                          candidates: Sequence, claims: Sequence,
+                          metrics: Sequence[str], args, name: str,
+                          quick_keys: Sequence[str] = (),
+                          record_metrics: Sequence[str] = ("load",
+                                                           "train_loss")
+                          ) -> tuple[str, dict]:
+  """`study.run_experiment` for claims judged per image: trains the grid
+  with the paired evaluation, then writes ROOT/NAME.md (per regime: the
+  per-image metrics' mean ± std over seeds, `record_metrics` from the runs'
+  logs, the claims with their paired statistics, the per-seed values),
+  ROOT/NAME.json (every claim's numbers and every run's per-seed values)
+  and ROOT/NAME_images.npz (the per-image outcomes the claims use);
+  returns the report and `{regime: claim records}`."""
+  import study  # The study machinery (training, configs, plots).
+  from common import describe_evaluation, mean_std, write_report
+  from vmoe_ext.app.schema import validate_config
+  regimes = [(study.QUICK_REGIMES if args.quick else study.REGIMES)[r]
+             for r in args.regimes]
+  evaluation = study.PAIRED_EVALUATION
+  if args.quick:
+    for c in candidates:
+      validate_config(study.build_config(c, 0, regimes[0], True, True))
+    candidates = [c for c in candidates if c.key in quick_keys]
+    evaluation = "Quick-mode evaluation: " + describe_evaluation(
+        study.build_config(candidates[0], args.seeds[0], regimes[0], True,
+                           True))
+  keys = {c.key for c in candidates}
+  claims = [c for c in claims if {c.baseline, c.candidate} <= keys]
+  for regime in regimes:  # A per-seed study's run in ROOT has no images.
+    for c in candidates:
+      for s in args.seeds:
+        path = study.run_dir(args.root, regime, c, s)
+        if study.finished(path) and not os.path.exists(
+            os.path.join(path, per_example.FILENAME)):
+          raise SystemExit(
+              f"{path} is a finished run without per-image outcomes (a "
+              "per-seed study's run?); give this experiment a root of its "
+              "own (--root)")
+  runs = study.run_grid(candidates, regimes, args.seeds, args.root,
+                        args.quick, args.jobs, per_image=True)
+  labels = {c.key: c.label for c in candidates}
+  lines = [f"# {title}", "", *intro, "", evaluation, "",
+           f"Seeds {list(args.seeds)}. Claims judged per image "
+           "(`paired_stats`): the per-image effect over seeds and images, "
+           "its standard error from both the seeds and the test sample, "
+           "decided at two-sided alpha 0.05 with Satterthwaite degrees of "
+           "freedom; MDD: the smallest effect the design detects with 80% "
+           "power; a null result whose paper effect (converted to our "
+           "baseline's error) is below the MDD is *undecidable here*."
+           + (" QUICK MODE: tiny budgets, the numbers mean nothing."
+              if args.quick else ""), ""]
+  all_outcomes, records, per_seed = {}, {}, {}
+  for regime in regimes:
+    paths = {c.key: [study.run_dir(args.root, regime, c, s)
+                     for s in args.seeds] for c in candidates}
+    outcomes = {(c.key, m): outcomes_matrix(paths[c.key], m, regime.name)
+                for c in candidates for m in metrics}
+    all_outcomes[regime.name] = outcomes
+    table = ["| model | " + " | ".join(
+        [IMAGE_METRICS[m].label for m in metrics]
+        + [study.METRICS[m].label for m in record_metrics]) + " |",
+             "|---|" + "---|" * (len(metrics) + len(record_metrics))]
+    for c in candidates:
+      cells = ["{:.2f} ± {:.2f}".format(*mean_std(
+          list(100 * outcomes[c.key, m].mean(1)))) for m in metrics]
+      cells += ["{:.3g} ± {:.2g}".format(*mean_std(study.values(
+          runs, regime.name, c.key, m, args.seeds)))
+                for m in record_metrics]
+      table.append(f"| {c.label} | " + " | ".join(cells) + " |")
+      per_seed[f"{regime.name}/{c.key}"] = {
+          **{m: list(100 * outcomes[c.key, m].mean(1)) for m in metrics},
+          **{m: study.values(runs, regime.name, c.key, m, args.seeds)
+             for m in record_metrics}}
+    claim_lines, rows = claims_rows(outcomes, regime.name, claims, labels)
+    records[regime.name] = rows
+    png = study.plot(runs, regime.name, candidates, list(record_metrics),
+                     args.seeds, os.path.join(args.root,
+                                              f"{name}_{regime.name}.png"))
+    lines += [f"## Regime `{regime.name}`: {regime.description}", "",
+              *table, "", "Claims:", "", *claim_lines, "",
+              f"![{regime.name}]({os.path.basename(png)})", "",
+              "Per seed (points):", ""]
+    for c in candidates:
+      for i, s in enumerate(args.seeds):
+        lines.append(f"- {c.label}, seed {s}: " + ", ".join(
+            f"{m} {per_seed[f'{regime.name}/{c.key}'][m][i]:.3f}"
+            for m in list(metrics) + list(record_metrics)))
+    lines.append("")
+  write_images(os.path.join(args.root, f"{name}_images.npz"), all_outcomes)
+  write_json(os.path.join(args.root, f"{name}.json"),
+             dict(seeds=list(args.seeds), claims=records,
+                  per_seed=per_seed, quick=bool(args.quick)))
+  return write_report(args.root, f"{name}.md", lines), records
