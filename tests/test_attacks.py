@@ -429,7 +429,7 @@ def test_auxiliary_loss_flag_and_logits_fn_output_must_agree():
 
 def test_registry_names_and_make_attack_defaults():
   assert sorted(attacks.ATTACKS) == ["apgd", "autoattack", "fab", "fgsm",
-                                     "pgd", "spsa", "square"]
+                                     "patch_swap", "pgd", "spsa", "square"]
   assert attacks.get_attack("pgd") is attacks.pgd
   x, y = _images(11), _labels(11)
   got = attacks.make_attack(dict(name="fgsm", eps=0.1))(logits_fn, x, y)

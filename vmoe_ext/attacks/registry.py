@@ -135,6 +135,9 @@ ATTACKS = AttackRegistry({
     "autoattack": AttackSpec("vmoe_ext.attacks.autoattack:autoattack",
                              "vmoe_ext.attacks.autoattack:check_autoattack",
                              "vmoe_ext.attacks.autoattack:autoattack_details"),
+    "patch_swap": AttackSpec("vmoe_ext.attacks.patch_swap:patch_swap",
+                             "vmoe_ext.attacks.patch_swap:check_patch_swap",
+                             "vmoe_ext.attacks.patch_swap:patch_swap_details"),
 })
 
 

@@ -55,7 +55,8 @@ def _check_sweep(value: dict[str, Any]) -> None:
 ATTACK = Section(
     _attack_fields({"num_examples": Field("int", None, nullable=True, low=1)}),
     check=_make_attack,
-    doc="{name: fgsm|pgd|spsa|apgd|fab|square|autoattack, **its arguments}",
+    doc="{name: fgsm|pgd|spsa|apgd|fab|square|autoattack|patch_swap, "
+        "**its arguments}",
     component=True)
 SWEEP = Section({
     "attack": Section(_attack_fields({}, exclude=("eps",)), component=True),

@@ -156,7 +156,8 @@ def attack_metrics(evaluator: Evaluator, dataset: ArrayDataset,
 
 # The settings an attack's report line names (config or default), in order.
 SHOWN_SETTINGS = ("version", "attacks", "norm", "steps", "step_size",
-                  "random_start", "restarts", "samples", "queries")
+                  "random_start", "restarts", "samples", "queries",
+                  "patch_size", "rate", "value")
 
 
 def _derived(name: str, attack: Mapping[str, Any],
@@ -277,7 +278,8 @@ def evaluate_robustness(model: nn.Module, variables: Mapping[str, Any],
                    {**m, "eps": eps, "num_examples": len(subset)})
       results.append((attack, m, len(subset)))
       routing = routing_by_layer(m)
-      rows.append([name, attack_settings(attack), eps, len(subset),
+      rows.append([name, attack_settings(attack),
+                   "-" if eps is None else eps, len(subset),
                    m["clean_accuracy"], m["accuracy"],
                    m["prediction_change_rate"],
                    ", ".join(f"{l}: {v:.3f}" for l, v in routing.items())
