@@ -72,13 +72,18 @@ PAIRED_PGD_EPS = (0.01, 0.03, 0.05)
 def paired_evaluation(config):
   """`config`'s robustness section for per-image paired statistics: every
   attack on all 1,000 test images (FGSM at eps 0.05, PGD-10 with random
-  start at each of `PAIRED_PGD_EPS`, step eps / 4), the 15 corruptions at
+  start at each of `PAIRED_PGD_EPS`, step eps / 4; the word-swap analogue
+  `patch_swap`: 2.5% of the patches, at least one, replaced by a grey
+  patch, the papers' attacked-PPL setting), the 15 corruptions at
   severities 1-5 on 500 of them, and `per_example` (each image's outcome,
   `vmoe_ext.evaluate.per_example`)."""
   config.robustness.num_examples = None
   config.robustness.attacks = (dict(name="fgsm", eps=0.05),) + tuple(
       dict(name="pgd", eps=e, steps=10, step_size=e / 4, random_start=True)
       for e in PAIRED_PGD_EPS)
+  config.robustness.attacks += (dict(
+      name="patch_swap", patch_size=tuple(config.model.patch_size),
+      rate=0.025, value=0.5),)
   config.robustness.corruptions = dict(names=None,
                                        severities=(1, 2, 3, 4, 5),
                                        num_examples=500)
@@ -101,7 +106,8 @@ def describe_evaluation(config) -> str:
                            if a.get("num_examples") else ""))
   parts = []
   if attacks:
-    eps = sorted({a.get("eps") for a in rob.attacks})
+    eps = sorted({a["eps"] for a in rob.attacks
+                  if a.get("eps") is not None})
     parts.append(" / ".join(attacks)
                  + f" at eps {', '.join(f'{e:g}' for e in eps)}")
   if rob.get("sweep"):

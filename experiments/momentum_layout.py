@@ -65,16 +65,25 @@ _CONTROL = "control: the layout's own effect (not a paper claim)"
 _T1 = (44.19, 42.33, "ppl")  # Table 1: SMoE-medium -> MomentumSMoE, attacked.
 
 
+_KIND = {"swap": "word-swap analogue", "pgd_mid": "PGD: not the paper's attack",
+         "pgd": "PGD: not the paper's attack"}
+
+
 def _attacked(source, statement, base, cand, paper):
-  """The attacked-PPL analogue at both PGD radii."""
+  """The attacked-PPL claim on its analogue (`swap`: the word-swap attack
+  on patches), and on PGD at both radii (a gradient attack: not the
+  paper's metric, kept as its own rows)."""
   return tuple(Claim(f"{source} (LM attacked PPL {paper[0]} → {paper[1]}; "
-                     f"analogue: {m})", statement, base, cand, m,
-                     paper=paper) for m in ("pgd_mid", "pgd"))
+                     f"{_KIND[m]})",
+                     statement, base, cand, m, paper=paper)
+               for m in ("swap", "pgd_mid", "pgd"))
 
 
 CLAIMS = (
     Claim(_CONTROL, "the reference layout (mu 0) raises clean accuracy",
           "noisy_topk", "momentum_mu0", "clean"),
+    Claim(_CONTROL, "the reference layout (mu 0) raises word-swap "
+          "accuracy", "noisy_topk", "momentum_mu0", "swap"),
     Claim(_CONTROL, "the reference layout (mu 0) raises PGD accuracy",
           "noisy_topk", "momentum_mu0", "pgd_mid"),
     Claim(_CONTROL, "the reference layout (mu 0) raises PGD accuracy",
@@ -136,8 +145,17 @@ CLAIMS = (
     *_attacked("MomentumSMoE Table 6", "time-varying momentum is more "
                "robust to attacked inputs", "deep_mu0", "deep_time_varying",
                (44.19, 43.97, "ppl")),
+    Claim("MomentumSMoE §5.1, Fig. 4 left (LM: accelerated convergence; "
+          "no numbers)", "heavy-ball momentum reaches the target training "
+          "loss in fewer steps", "momentum_mu0", "momentum_heavy_ball",
+          "steps_to_loss"),
+    Claim("MomentumSMoE §5.1, Fig. 4 left (LM: accelerated convergence; "
+          "no numbers)", "complex momentum reaches the target training loss "
+          "in fewer steps", "momentum_mu0", "momentum_complex",
+          "steps_to_loss"),
 )
-METRICS = ("clean", "top5", "fgsm", "pgd_mid", "pgd", "mce")
+METRICS = ("clean", "top5", "fgsm", "swap", "pgd_mid", "pgd", "mce")
+RECORD_METRICS = ("load", "train_loss", "steps_to_loss")
 
 
 def main(argv=None):
@@ -150,7 +168,8 @@ def main(argv=None):
        "stream in the same layout (same gamma); the layout's own effect "
        "against the plain V-MoE as control rows. All other "
        "hyper-parameters shared."],
-      CANDIDATES, CLAIMS, METRICS, args, "momentum_layout", QUICK)
+      CANDIDATES, CLAIMS, METRICS, args, "momentum_layout", QUICK,
+      record_metrics=RECORD_METRICS)
 
 
 if __name__ == "__main__":

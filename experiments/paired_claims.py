@@ -21,7 +21,8 @@ from typing import Optional
 
 import numpy as np
 
-from paired_stats import ImagePaired, expected_effect, judge, paired_images
+from paired_stats import (ImagePaired, expected_effect, judge,
+                          paired_images, paired_seeds)
 from vmoe_ext.evaluate import per_example
 
 
@@ -48,6 +49,8 @@ IMAGE_METRICS = {
                            "default, 0.01 low data)", +1),
     "mce": ImageMetric("corruption error % (per image, mean over 75 "
                        "conditions)", -1),
+    "swap": ImageMetric("word-swap analogue accuracy % (2.5% of patches "
+                        "replaced by a grey patch)", +1),
 }
 
 
@@ -62,6 +65,8 @@ def eval_names(metric: str, regime: str, available: Sequence[str]
     return [per_example.eval_name("adversarial", "pgd", 0.05)]
   if metric == "pgd_mid":
     return [per_example.eval_name("adversarial", "pgd", MID_EPS[regime])]
+  if metric == "swap":
+    return [per_example.eval_name("adversarial", "patch_swap")]
   if metric == "mce":
     return sorted(n for n in available if n.startswith("corruption/"))
   raise KeyError(f"no per-image metric {metric!r}")
@@ -99,17 +104,26 @@ def outcomes_matrix(paths: Sequence[str], metric: str, regime: str
   return np.stack(rows)
 
 
-def claim_stats(a: np.ndarray, b: np.ndarray, claim, our_base: float
-                ) -> tuple[ImagePaired, Optional[float], str]:
-  """The claim's paired statistics, the paper's effect on our scale (None
-  where the claim names no paper numbers) and the verdict."""
-  metric = IMAGE_METRICS[claim.metric]
-  diff = paired_images(a, b)
+def claim_stats(a: np.ndarray, b: np.ndarray, claim, our_base: float,
+                better: int) -> tuple[ImagePaired, Optional[float], str]:
+  """The claim's paired statistics (per image for `[S, I]` outcomes, per
+  seed for `[S]` values of a run-level metric), the paper's effect on our
+  scale (None where the claim names no paper numbers) and the verdict."""
+  diff = paired_images(a, b) if a.ndim == 2 else paired_seeds(a, b)
   expected = None
   if claim.paper is not None:
     base, cand, kind = claim.paper
-    expected = expected_effect(base, cand, kind, our_base, metric.better)
-  return diff, expected, judge(diff, metric.better, expected, claim.margin)
+    expected = expected_effect(base, cand, kind, our_base, better)
+  return diff, expected, judge(diff, better, expected, claim.margin)
+
+
+def metric_of(name: str) -> tuple[str, int]:
+  """(label, better) of a per-image metric or a run-level one
+  (`study.METRICS`: load, train loss, steps to a target loss)."""
+  if name in IMAGE_METRICS:
+    return IMAGE_METRICS[name].label, IMAGE_METRICS[name].better
+  import study  # Run-level metrics.
+  return study.METRICS[name].label, study.METRICS[name].better
 
 
 def _num(x: Optional[float], sign: str = "") -> str:
@@ -128,13 +142,15 @@ HEADER = ["| source | claim | baseline → candidate | metric | per-seed "
 def claims_rows(outcomes: dict, regime: str, claims: Sequence, labels: dict
                 ) -> tuple[list[str], list[dict]]:
   """Markdown rows and JSON records of every claim in `regime`;
-  `outcomes[key, metric]` is the `[S, I]` matrix."""
+  `outcomes[key, metric]` is the `[S, I]` matrix of a per-image metric,
+  the `[S]` values of a run-level one."""
   lines, records = list(HEADER), []
   for claim in claims:
     a = outcomes[claim.baseline, claim.metric]
     b = outcomes[claim.candidate, claim.metric]
-    our_base = 100 * float(a.mean())
-    diff, expected, verdict = claim_stats(a, b, claim, our_base)
+    label, better = metric_of(claim.metric)
+    our_base = float(a.mean()) * (100 if a.ndim == 2 else 1)
+    diff, expected, verdict = claim_stats(a, b, claim, our_base, better)
     mean_s = float(np.mean(diff.seed_diffs))
     statement = claim.statement + (
         f" (\\|difference\\| <= {claim.margin:g})" if claim.margin else "")
@@ -142,7 +158,7 @@ def claims_rows(outcomes: dict, regime: str, claims: Sequence, labels: dict
             else f"{diff.discordant[0]} / {diff.discordant[1]}")
     lines.append(
         f"| {claim.source} | {statement} | {labels[claim.baseline]} → "
-        f"{labels[claim.candidate]} | {IMAGE_METRICS[claim.metric].label} | "
+        f"{labels[claim.candidate]} | {label} | "
         f"{mean_s:+.2f} ± {diff.seed_std:.2f} | {diff.mean:+.2f} (se "
         f"{diff.se:.2f}, df {diff.df:.1f}) | {diff.p:.3f} | "
         f"{diff.mdd:.2f} | {_num(expected, '+')} | {disc} | {verdict} |")
@@ -163,6 +179,8 @@ def write_images(path: str, outcomes: dict[str, dict]) -> None:
   arrays = {}
   for regime, table in outcomes.items():
     for (key, metric), matrix in table.items():
+      if metric not in IMAGE_METRICS:  # Run-level values: in NAME.json.
+        continue
       dtype = np.uint8 if IMAGE_METRICS[metric].better > 0 else np.float32
       arrays[f"{regime}/{key}/{metric}"] = matrix.astype(dtype)
   os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -189,8 +207,8 @@ def run_paired_experiment(title: str, intro: Sequence[str],
                           candidates: Sequence, claims: Sequence,
                           metrics: Sequence[str], args, name: str,
                           quick_keys: Sequence[str] = (),
-                          record_metrics: Sequence[str] = ("load",
-                                                           "train_loss")
+                          record_metrics: Sequence[str] = (
+                              "load", "train_loss", "steps_to_loss")
                           ) -> tuple[str, dict]:
   """`study.run_experiment` for claims judged per image: trains the grid
   with the paired evaluation, then writes ROOT/NAME.md (per regime: the
@@ -243,6 +261,9 @@ def run_paired_experiment(title: str, intro: Sequence[str],
                      for s in args.seeds] for c in candidates}
     outcomes = {(c.key, m): outcomes_matrix(paths[c.key], m, regime.name)
                 for c in candidates for m in metrics}
+    outcomes.update({(c.key, m): np.asarray(study.values(
+        runs, regime.name, c.key, m, args.seeds)) for c in candidates
+                     for m in record_metrics})
     all_outcomes[regime.name] = outcomes
     table = ["| model | " + " | ".join(
         [IMAGE_METRICS[m].label for m in metrics]

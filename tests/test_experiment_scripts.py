@@ -53,13 +53,15 @@ def test_claims_and_quick_keys_name_the_scripts_candidates(name):
   keys = [c.key for c in module.CANDIDATES]
   assert len(keys) == len(set(keys)), f"{name}: a key twice"
   assert set(module.QUICK) <= set(keys), name
-  metrics = (paired_claims.IMAGE_METRICS if name in PER_IMAGE
-             else study.METRICS)
+  metrics = dict(study.METRICS)
+  if name in PER_IMAGE:  # Per-image metrics, and run-level ones.
+    metrics.update(paired_claims.IMAGE_METRICS)
   for claim in module.CLAIMS:
     assert {claim.baseline, claim.candidate} <= set(keys), (name, claim)
     assert claim.metric in metrics, (name, claim.metric)
     if name in PER_IMAGE:  # Only the listed metrics' outcomes are read.
-      assert claim.metric in module.METRICS, (name, claim.metric)
+      assert claim.metric in (module.METRICS + module.RECORD_METRICS), (
+          name, claim.metric)
   assert set(module.METRICS) <= set(metrics), name
 
 
