@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 
 import study
-import verdicts
+from paired_stats import judge, paired_seeds
 from common import mean_std
 from study import Candidate, Claim, Metric, parse_args, run_experiment
 from vmoe_ext.data import load_mnist5k
@@ -274,12 +274,12 @@ def eps_section(runs: dict, regime: str, candidates: Sequence[Candidate],
           + " |")
     low = [routing_at(r, EPS[1]) for r in records]
     high = [routing_at(r, EPS[-1]) for r in records]
-    diff = verdicts.paired(low, high)
+    diff = paired_seeds(low, high)
     claims.append(
         f"| {_PAPER}: routing changes more as eps grows | {c.label} | "
         f"{_cells(low)} → {_cells(high)} | {diff.mean:+.2f} ± "
-        f"{diff.std:.2f} (se {diff.se:.2f}) | "
-        f"{verdicts.verdict(diff, +1)} |")
+        f"{diff.seed_std:.2f} (se {diff.se:.2f}) | "
+        f"{judge(diff, +1)} |")
   return lines + claims + ["", f"![eps curves]({os.path.basename(png)})",
                            ""]
 

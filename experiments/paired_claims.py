@@ -51,7 +51,20 @@ IMAGE_METRICS = {
                        "conditions)", -1),
     "swap": ImageMetric("word-swap analogue accuracy % (2.5% of patches "
                         "replaced by a grey patch)", +1),
+    "noise_trend": ImageMetric(
+        "growth of the error with severity, points (severity 5 - 1, "
+        "Gaussian and impulse noise)", -1),
 }
+# The noise corruptions of MomentumSMoE's Fig. 14.
+TREND_CORRUPTIONS = ("gaussian_noise", "impulse_noise")
+
+
+def image_metric(name: str) -> ImageMetric:
+  """A fixed per-image metric, or `corr:NAME`: the image's error on one
+  corruption, averaged over its severities."""
+  if name.startswith("corr:"):
+    return ImageMetric(f"{name[5:]} error %", -1)
+  return IMAGE_METRICS[name]
 
 
 def eval_names(metric: str, regime: str, available: Sequence[str]
@@ -69,6 +82,9 @@ def eval_names(metric: str, regime: str, available: Sequence[str]
     return [per_example.eval_name("adversarial", "patch_swap")]
   if metric == "mce":
     return sorted(n for n in available if n.startswith("corruption/"))
+  if metric.startswith("corr:"):
+    return sorted(n for n in available
+                  if n.startswith(f"corruption/{metric[5:]}/"))
   raise KeyError(f"no per-image metric {metric!r}")
 
 
@@ -77,11 +93,20 @@ def image_outcomes(workdir: str, metric: str, regime: str
   """`(index [I], value [I])` of one run: correctness (0/1) for an
   accuracy, the image's mean error over the conditions for `mce`."""
   data = per_example.load(workdir)
+  if metric == "noise_trend":  # Error at severity 5 minus severity 1.
+    names = [f"corruption/{c}/s{s}" for c in TREND_CORRUPTIONS
+             for s in (1, 5)]
+    if any(n not in data for n in names):
+      raise KeyError(f"{workdir}: no outcomes for {names}")
+    wrong = {n: 1.0 - data[n]["correct"].astype(np.float64) for n in names}
+    trend = np.mean([wrong[f"corruption/{c}/s5"] - wrong[f"corruption/{c}/s1"]
+                     for c in TREND_CORRUPTIONS], axis=0)
+    return data[names[0]]["index"], trend
   names = eval_names(metric, regime, list(data))
   if not names or any(n not in data for n in names):
     raise KeyError(f"{workdir}: no per-image outcomes for {metric} "
                    f"({names}); was it evaluated with per_example?")
-  spec = IMAGE_METRICS[metric]
+  spec = image_metric(metric)
   index = data[names[0]]["index"]
   values = np.stack([data[n][spec.field] for n in names]).astype(np.float64)
   if spec.better < 0:
@@ -108,20 +133,24 @@ def claim_stats(a: np.ndarray, b: np.ndarray, claim, our_base: float,
                 better: int) -> tuple[ImagePaired, Optional[float], str]:
   """The claim's paired statistics (per image for `[S, I]` outcomes, per
   seed for `[S]` values of a run-level metric), the paper's effect on our
-  scale (None where the claim names no paper numbers) and the verdict."""
+  scale (None where the claim names no paper numbers) and the verdict. The
+  claimed direction is the metric's `better`, or the paper's where its
+  numbers show the candidate worse (e.g. SAM's clean accuracy)."""
   diff = paired_images(a, b) if a.ndim == 2 else paired_seeds(a, b)
-  expected = None
+  expected, claimed = None, better
   if claim.paper is not None:
     base, cand, kind = claim.paper
     expected = expected_effect(base, cand, kind, our_base, better)
-  return diff, expected, judge(diff, better, expected, claim.margin)
+    if expected < 0:  # The paper finds the candidate worse: that's the claim.
+      claimed = -better
+  return diff, expected, judge(diff, claimed, expected, claim.margin)
 
 
 def metric_of(name: str) -> tuple[str, int]:
   """(label, better) of a per-image metric or a run-level one
   (`study.METRICS`: load, train loss, steps to a target loss)."""
-  if name in IMAGE_METRICS:
-    return IMAGE_METRICS[name].label, IMAGE_METRICS[name].better
+  if name in IMAGE_METRICS or name.startswith("corr:"):
+    return image_metric(name).label, image_metric(name).better
   import study  # Run-level metrics.
   return study.METRICS[name].label, study.METRICS[name].better
 
@@ -179,9 +208,10 @@ def write_images(path: str, outcomes: dict[str, dict]) -> None:
   arrays = {}
   for regime, table in outcomes.items():
     for (key, metric), matrix in table.items():
-      if metric not in IMAGE_METRICS:  # Run-level values: in NAME.json.
-        continue
-      dtype = np.uint8 if IMAGE_METRICS[metric].better > 0 else np.float32
+      if metric not in IMAGE_METRICS and not metric.startswith("corr:"):
+        continue  # Run-level values: in NAME.json.
+      dtype = (np.uint8 if image_metric(metric).better > 0
+               else np.float32)
       arrays[f"{regime}/{key}/{metric}"] = matrix.astype(dtype)
   os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
   np.savez_compressed(path, **arrays)
@@ -259,8 +289,11 @@ def run_paired_experiment(title: str, intro: Sequence[str],
   for regime in regimes:
     paths = {c.key: [study.run_dir(args.root, regime, c, s)
                      for s in args.seeds] for c in candidates}
+    # The table's metrics and every other one a claim reads.
+    image = list(metrics) + sorted({c.metric for c in claims} - set(metrics)
+                                   - set(record_metrics))
     outcomes = {(c.key, m): outcomes_matrix(paths[c.key], m, regime.name)
-                for c in candidates for m in metrics}
+                for c in candidates for m in image}
     outcomes.update({(c.key, m): np.asarray(study.values(
         runs, regime.name, c.key, m, args.seeds)) for c in candidates
                      for m in record_metrics})

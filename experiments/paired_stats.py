@@ -133,9 +133,12 @@ def paired_seeds(baseline, candidate, floor: float = 0.0) -> ImagePaired:
   df = S - 1. `floor` stands in for the test sample's share of the error
   that the seeds cannot show (e.g. `verdicts.sampling_se`; 0 for a metric
   of the model itself)."""
-  d = np.asarray(candidate, np.float64) - np.asarray(baseline, np.float64)
-  if d.ndim != 1:
-    raise ValueError(f"per-seed values must be [seeds]; got {d.shape}")
+  b = np.asarray(baseline, np.float64)
+  c = np.asarray(candidate, np.float64)
+  if b.shape != c.shape or b.ndim != 1:
+    raise ValueError(f"per-seed values must be [seeds] of one shape; got "
+                     f"{b.shape} and {c.shape}")
+  d = c - b
   seeds = len(d)
   std = float(np.std(d, ddof=1)) if seeds > 1 else math.inf
   se = max(std / math.sqrt(seeds), floor)

@@ -30,7 +30,8 @@ import jax
 import evaluate_only
 from common import (config_for, describe_evaluation, mean_std,
                     paired_evaluation, write_report)
-from verdicts import paired, sampling_se, verdict
+from paired_stats import expected_effect, judge, paired_seeds
+from verdicts import sampling_se
 from vmoe_ext.app.schema import validate_config
 from vmoe_ext.app.train import train_and_evaluate
 from vmoe_ext.evaluate.final import after_training_hook
@@ -357,9 +358,14 @@ def claims_table(runs: dict, regime: str, claims: Sequence[Claim],
                 for s in seeds]
       floor = sampling_se(statistics.mean(base + cand), min(counts),
                           len(seeds))
-    diff = paired(base, cand, floor)
-    v = verdict(diff, metric.better, claim.margin)
-    rows.append(dict(claim=claim, diff=diff, verdict=v))
+    diff = paired_seeds(base, cand, floor)
+    expected, claimed = None, metric.better
+    if claim.paper is not None:
+      expected = expected_effect(*claim.paper, statistics.mean(base),
+                                 metric.better)
+      claimed = metric.better if expected >= 0 else -metric.better
+    v = judge(diff, claimed, expected, claim.margin)
+    rows.append(dict(claim=claim, diff=diff, verdict=v, floor=floor))
     if claim.margin is not None:  # "\\|" keeps the table's columns.
       statement = (f"{claim.statement} (\\|difference\\| <= "
                    f"{claim.margin:g})")
@@ -368,7 +374,8 @@ def claims_table(runs: dict, regime: str, claims: Sequence[Claim],
     lines.append(
         f"| {claim.source} | {statement} | {labels[claim.baseline]} → "
         f"{labels[claim.candidate]} | {metric.label} | "
-        f"{_num(diff.mean, '+')} ± {_num(diff.std)} (se {_num(diff.se)}) | "
+        f"{_num(diff.mean, '+')} ± {_num(diff.seed_std)} (se "
+        f"{_num(diff.se)}, MDD {_num(diff.mdd)}) | "
         f"{v} |")
   return lines, rows
 
@@ -495,8 +502,10 @@ def run_experiment(title: str, intro: Sequence[str],
       args.root, regimes, candidates, args.seeds) + [evaluation] + [
       "", f"Seeds {list(args.seeds)}; mean ± std (sample std) over seeds; "
       "verdicts from the paired difference over seeds (reproduced / "
-      "contradicted: |mean| >= 2 standard errors in / against the claimed "
-      "direction; otherwise not at this scale)."
+      "contradicted: |mean| >= t_0.975 at S - 1 degrees of freedom times "
+      "its standard error, floored by the test sample's binomial error, in "
+      "/ against the claimed direction; MDD: the smallest effect the "
+      "design detects with 80% power; `paired_stats.judge`)."
       + (" QUICK MODE: tiny budgets, the numbers mean nothing."
          if args.quick else ""), ""]
   verdicts = {}

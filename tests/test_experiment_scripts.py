@@ -58,10 +58,10 @@ def test_claims_and_quick_keys_name_the_scripts_candidates(name):
     metrics.update(paired_claims.IMAGE_METRICS)
   for claim in module.CLAIMS:
     assert {claim.baseline, claim.candidate} <= set(keys), (name, claim)
-    assert claim.metric in metrics, (name, claim.metric)
-    if name in PER_IMAGE:  # Only the listed metrics' outcomes are read.
-      assert claim.metric in (module.METRICS + module.RECORD_METRICS), (
-          name, claim.metric)
+    if name in PER_IMAGE:
+      paired_claims.metric_of(claim.metric)  # KeyError if unknown.
+    else:
+      assert claim.metric in metrics, (name, claim.metric)
   assert set(module.METRICS) <= set(metrics), name
 
 

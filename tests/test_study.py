@@ -1,5 +1,6 @@
 """The reproduction experiments' shared machinery (experiments/study.py,
-experiments/verdicts.py): the paired statistics and verdicts against hand-computed cases, the metric
+experiments/verdicts.py, the per-seed rule of paired_stats.py): the paired
+statistics and verdicts against hand-computed cases, the metric
 extraction from hand-written metrics records, and the configs it builds."""
 
 from __future__ import annotations
@@ -13,54 +14,68 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir,
                                 "experiments"))
 import study  # noqa: E402  pylint: disable=g-import-not-at-top
+import paired_stats  # noqa: E402  pylint: disable=g-import-not-at-top
 import verdicts  # noqa: E402  pylint: disable=g-import-not-at-top
 
 from vmoe_ext.app.schema import validate_config  # noqa: E402
 
 
+T2 = 4.302653  # t_0.975 at 2 degrees of freedom (3 seeds).
+
+
 def test_paired_difference_hand_case():
-  diff = verdicts.paired([1.0, 2.0, 3.0], [2.0, 3.1, 4.2])
+  diff = paired_stats.paired_seeds([1.0, 2.0, 3.0], [2.0, 3.1, 4.2])
   # d = 1.0, 1.1, 1.2: mean 1.1, sample std 0.1, se 0.1 / sqrt(3).
-  assert diff.n == 3
+  assert diff.seeds == 3
   assert diff.mean == pytest.approx(1.1)
-  assert diff.std == pytest.approx(0.1)
+  assert diff.seed_std == pytest.approx(0.1)
   assert diff.se == pytest.approx(0.1 / math.sqrt(3))
+  assert diff.critical == pytest.approx(T2, rel=1e-6)
   with pytest.raises(ValueError):
-    verdicts.paired([1.0, 2.0], [1.0])
+    paired_stats.paired_seeds([1.0, 2.0], [1.0])
 
 
 @pytest.mark.parametrize("diffs, better, expected", [
-    ([1.0, 1.1, 1.2], +1, "reproduced"),
+    ([1.0, 1.1, 1.2], +1, "reproduced"),     # |m| = 19 se
     ([1.0, 1.1, 1.2], -1, "contradicted"),
     ([1.0, -1.0, 0.5], +1, "not at this scale"),   # mean 0.17, se 0.60
     ([0.3, 0.3, 0.3], -1, "contradicted"),        # std 0: any mean counts
     ([0.0, 0.0, 0.0], +1, "not at this scale"),
-    ([2.0, 2.1], +1, "not at this scale"),         # < 3 seeds: no verdict
-    # mean 0.5, std 0.5, se 0.289: |m| = 1.73 se < 2 se.
-    ([0.0, 0.5, 1.0], +1, "not at this scale"),
-    # mean 0.6, std 0.4, se 0.231: |m| = 2.6 se.
-    ([0.2, 0.6, 1.0], +1, "reproduced"),
+    ([2.0, 2.1], +1, "undecidable here"),          # < 3 seeds: no verdict
+    # mean 0.6, std 0.4, se 0.231: |m| = 2.6 se, decisive at the old 2 se
+    # screen, not at t_2 = 4.30.
+    ([0.2, 0.6, 1.0], +1, "not at this scale"),
+    # mean 0.9, std 0.1, se 0.0577: |m| = 15.6 se.
+    ([0.8, 0.9, 1.0], +1, "reproduced"),
 ])
 def test_verdict_rule(diffs, better, expected):
-  diff = verdicts.paired([0.0] * len(diffs), diffs)
-  assert verdicts.verdict(diff, better) == expected
+  diff = paired_stats.paired_seeds([0.0] * len(diffs), diffs)
+  assert paired_stats.judge(diff, better) == expected
+
+
+def test_a_null_below_the_detectable_difference_is_undecidable():
+  diff = paired_stats.paired_seeds([0.0] * 3, [1.0, -1.0, 0.5])
+  # se 0.601, MDD (4.303 + 1.061) x 0.601 = 3.22 points.
+  assert diff.mdd == pytest.approx((T2 + 1.060660) * diff.se, rel=1e-5)
+  assert paired_stats.judge(diff, +1, expected=1.0) == "undecidable here"
+  assert paired_stats.judge(diff, +1, expected=5.0) == "not at this scale"
 
 
 @pytest.mark.parametrize("diffs, expected", [
-    # mean 0.1, std 0.1, se 0.0577: |m| + 2 se = 0.215 <= 0.5.
+    # mean 0.1, std 0.1, se 0.0577: |m| + 4.30 se = 0.348 <= 0.5.
     ([0.0, 0.1, 0.2], "reproduced"),
-    # mean 0.4, std 0.1: 0.4 + 0.115 = 0.515 > 0.5 and 0.4 - 0.115 < 0.5.
-    ([0.3, 0.4, 0.5], "not at this scale"),
-    # mean -1.0, std 0.1: |m| - 2 se = 0.885 > 0.5, whichever the sign.
+    # mean 0.4, std 0.1: 0.4 + 0.248 > 0.5 and 0.4 - 0.248 < 0.5.
+    ([0.3, 0.4, 0.5], "undecidable here"),
+    # mean -1.0, std 0.1: |m| - 4.30 se = 0.752 > 0.5, whichever the sign.
     ([-0.9, -1.0, -1.1], "contradicted"),
-    # mean 0.0 but se 0.577: the interval ±1.15 is wider than the margin.
-    ([-1.0, 0.0, 1.0], "not at this scale"),
-    ([0.0, 0.0], "not at this scale"),             # < 3 seeds: no verdict
+    # mean 0.0 but se 0.577: the interval ±2.48 is wider than the margin.
+    ([-1.0, 0.0, 1.0], "undecidable here"),
+    ([0.0, 0.0], "undecidable here"),             # < 3 seeds: no verdict
 ])
 def test_verdict_equivalence_rule(diffs, expected):
-  diff = verdicts.paired([0.0] * len(diffs), diffs)
+  diff = paired_stats.paired_seeds([0.0] * len(diffs), diffs)
   for better in (+1, -1):  # The claimed direction plays no part.
-    assert verdicts.verdict(diff, better, margin=0.5) == expected
+    assert paired_stats.judge(diff, better, margin=0.5) == expected
 
 
 def test_claims_table_marks_an_equivalence_claim():
@@ -76,18 +91,33 @@ def test_claims_table_marks_an_equivalence_claim():
   assert lines[-1].count(" | ") == 5  # Six columns: the pipes escaped.
 
 
+def test_claims_table_judges_in_the_papers_direction():
+  runs = {}
+  for seed, (a, b) in enumerate(((0.90, 0.80), (0.91, 0.80), (0.92, 0.81))):
+    runs["r", "a", seed] = [{"step": 1, "split": "test", "accuracy": a,
+                             "final": True, "num_examples": 1000.0}]
+    runs["r", "b", seed] = [{"step": 1, "split": "test", "accuracy": b,
+                             "final": True, "num_examples": 1000.0}]
+  worse = study.Claim("p", "b costs accuracy", "a", "b", "clean",
+                      paper=(73.16, 72.84, "accuracy"))
+  _, rows = study.claims_table(runs, "r", [worse], dict(a="A", b="B"),
+                               [0, 1, 2])
+  assert rows[0]["verdict"] == "reproduced"  # -10.7 points, as claimed.
+
+
 def test_sampling_floor_hand_case():
   # p = 1% on 500 images: binomial std 100 sqrt(0.01 * 0.99 / 500) = 0.445
   # points; a difference of two averaged over 3 seeds: x sqrt(2 / 3).
   floor = verdicts.sampling_se(1.0, 500, 3)
   assert floor == pytest.approx(0.44497 * math.sqrt(2 / 3), rel=1e-4)
   # One image of 500 on every seed: std 0, but below 2 floors.
-  diff = verdicts.paired([1.0] * 3, [1.2] * 3, floor)
+  diff = paired_stats.paired_seeds([1.0] * 3, [1.2] * 3, floor)
   assert diff.se == pytest.approx(floor)
-  assert verdicts.verdict(diff, +1) == "not at this scale"
+  assert paired_stats.judge(diff, +1) == "not at this scale"
   # A seed spread larger than the floor wins.
-  assert verdicts.paired([0.0, 0.0, 0.0], [1.0, 3.0, 5.0], floor).se == (
-      pytest.approx(2 / math.sqrt(3)))
+  assert paired_stats.paired_seeds([0.0, 0.0, 0.0], [1.0, 3.0, 5.0],
+                                   floor).se == pytest.approx(
+                                       2 / math.sqrt(3))
   assert verdicts.sampling_se(50.0, float("nan"), 3) == 0.0
 
 
@@ -101,9 +131,9 @@ def test_claims_table_applies_the_floor_from_num_examples():
   claim = study.Claim("p", "s", "base", "new", "pgd")
   _, rows = study.claims_table(runs, "default", [claim],
                                {"base": "B", "new": "N"}, [0, 1, 2])
-  assert rows[0]["diff"].std == pytest.approx(0.0, abs=1e-9)
-  assert rows[0]["diff"].floor == pytest.approx(
-      verdicts.sampling_se(1.1, 500, 3))
+  assert rows[0]["diff"].seed_std == pytest.approx(0.0, abs=1e-9)
+  assert rows[0]["floor"] == pytest.approx(verdicts.sampling_se(1.1, 500, 3))
+  assert rows[0]["diff"].se == pytest.approx(rows[0]["floor"])
   assert rows[0]["verdict"] == "not at this scale"
 
 
@@ -141,12 +171,14 @@ def test_claims_table_pairs_by_seed():
   claim = study.Claim("paper T1", "new is better", "base", "new", "clean")
   lines, rows = study.claims_table(runs, "default", [claim],
                                    {"base": "B", "new": "N"}, [0, 1, 2])
-  # d = 2, 1, 3 points: mean 2, std 1, se 0.577 -> 3.5 se.
+  # d = 2, 1, 3 points: mean 2, std 1, se 0.577 -> 3.5 se, below
+  # t_2 = 4.30 (decisive at the old 2 se screen); MDD 5.36 se = 3.10.
   assert rows[0]["diff"].mean == pytest.approx(2.0)
-  assert rows[0]["diff"].std == pytest.approx(1.0)
-  assert rows[0]["verdict"] == "reproduced"
+  assert rows[0]["diff"].seed_std == pytest.approx(1.0)
+  assert rows[0]["verdict"] == "not at this scale"
   assert lines[-1] == ("| paper T1 | new is better | B → N | clean accuracy "
-                       "% | +2.00 ± 1.00 (se 0.58) | reproduced |")
+                       "% | +2.00 ± 1.00 (se 0.58, MDD 3.10) | not at this "
+                       "scale |")
 
 
 @pytest.mark.parametrize("x,sign,expected", [

@@ -1,0 +1,105 @@
+"""Claims judged per image (experiments/paired_claims.py): the outcomes read
+from runs' per_example.npz, the per-image metrics (corruption error per
+image, the severity trend), the claimed direction, and the committed
+files re-read."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir,
+                                "experiments"))
+import paired_claims as pc  # noqa: E402
+import paired_stats  # noqa: E402
+import study  # noqa: E402
+from vmoe_ext.evaluate.per_example import PerExample  # noqa: E402
+
+
+def _run(path, clean, noise):
+  """A run's per_example.npz: `clean` [I] correctness; `noise[s]` [I]
+  correctness under Gaussian and impulse noise at severity s (1, 5)."""
+  index = np.arange(len(clean))
+  record = PerExample(np.zeros(len(clean), int), enabled=True)
+  record.add("clean", index, clean, clean)
+  for name in pc.TREND_CORRUPTIONS:
+    for s, c in noise.items():
+      record.add(f"corruption/{name}/s{s}", index, c, c)
+  os.makedirs(path)
+  record.write(str(path))
+
+
+def test_per_image_metrics_read_from_the_runs(tmp_path):
+  one = np.array([1, 1, 0, 1], bool)
+  _run(tmp_path / "a", one, {1: one, 5: np.array([0, 1, 0, 0], bool)})
+  index, clean = pc.image_outcomes(str(tmp_path / "a"), "clean", "default")
+  assert index.tolist() == [0, 1, 2, 3] and clean.tolist() == [1, 1, 0, 1]
+  # Per image: mean error over the 4 conditions (2 corruptions x 2).
+  _, mce = pc.image_outcomes(str(tmp_path / "a"), "mce", "default")
+  assert mce.tolist() == [0.5, 0.0, 1.0, 0.5]
+  # Severity 5 - severity 1 error, averaged over the two noises.
+  _, trend = pc.image_outcomes(str(tmp_path / "a"), "noise_trend", "default")
+  assert trend.tolist() == [1.0, 0.0, 0.0, 1.0]
+  _, gauss = pc.image_outcomes(str(tmp_path / "a"), "corr:gaussian_noise",
+                               "default")
+  assert gauss.tolist() == [0.5, 0.0, 1.0, 0.5]
+  with pytest.raises(KeyError, match="per_example"):
+    pc.image_outcomes(str(tmp_path / "a"), "pgd", "default")
+  assert pc.eval_names("pgd_mid", "low_data", []) == [
+      "adversarial/pgd/eps=0.01"]
+
+
+def test_seeds_must_share_their_images(tmp_path):
+  _run(tmp_path / "s0", np.ones(3, bool), {1: np.ones(3, bool)})
+  record = PerExample(np.zeros(3, int), enabled=True)
+  record.add("clean", np.array([0, 1, 5]), np.ones(3, bool),
+             np.ones(3, bool))
+  os.makedirs(tmp_path / "s1")
+  record.write(str(tmp_path / "s1"))
+  with pytest.raises(ValueError, match="other images"):
+    pc.outcomes_matrix([str(tmp_path / "s0"), str(tmp_path / "s1")],
+                       "clean", "default")
+
+
+def test_a_claim_the_paper_finds_worse_is_judged_in_that_direction():
+  rng = np.random.default_rng(0)
+  a = (rng.random((3, 2000)) < 0.9).astype(float)
+  b = a.copy()
+  b[:, :300] = 0  # The candidate is clearly worse.
+  worse = study.Claim("src", "SAM lowers clean accuracy", "a", "b", "clean",
+                      paper=(73.16, 72.84, "accuracy"))
+  better = study.Claim("src", "improves", "a", "b", "clean",
+                       paper=(73.16, 73.26, "accuracy"))
+  _, expected, verdict = pc.claim_stats(a, b, worse, 90.0, +1)
+  assert expected < 0 and verdict == "reproduced"
+  _, expected, verdict = pc.claim_stats(a, b, better, 90.0, +1)
+  assert expected > 0 and verdict == "contradicted"
+
+
+def test_claim_rows_and_the_committed_files_round_trip(tmp_path):
+  rng = np.random.default_rng(1)
+  outcomes = {("a", "clean"): (rng.random((3, 50)) < 0.8).astype(float),
+              ("b", "clean"): (rng.random((3, 50)) < 0.8).astype(float),
+              ("a", "load"): np.array([1.0, 2.0, 3.0]),
+              ("b", "load"): np.array([0.5, 1.0, 2.0])}
+  claims = [study.Claim("src", "b beats a", "a", "b", "clean",
+                        paper=(70.0, 72.0, "accuracy")),
+            study.Claim("src", "b balances better", "a", "b", "load")]
+  lines, records = pc.claims_rows(outcomes, "default", claims,
+                                  {"a": "A", "b": "B"})
+  assert len(lines) == 2 + 2
+  diff = paired_stats.paired_images(outcomes["a", "clean"],
+                                    outcomes["b", "clean"])
+  assert records[0]["effect"] == pytest.approx(diff.mean)
+  assert records[0]["mdd"] == pytest.approx(diff.mdd)
+  seeds = paired_stats.paired_seeds([1, 2, 3], [0.5, 1, 2])
+  assert records[1]["effect"] == pytest.approx(seeds.mean)
+  assert records[1]["df"] == 2
+  path = str(tmp_path / "x_images.npz")
+  pc.write_images(path, {"default": outcomes})
+  back = pc.read_images(path)["default"]
+  assert set(back) == {("a", "clean"), ("b", "clean")}  # Load: in JSON.
+  np.testing.assert_array_equal(back["a", "clean"], outcomes["a", "clean"])
