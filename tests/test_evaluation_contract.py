@@ -42,6 +42,7 @@ from vmoe_ext.evaluate.robustness import evaluate_robustness
 from vmoe_ext.models import build_model
 from vmoe_ext.reporting.writers import MetricWriter, read_metrics
 from vmoe_ext.train.config_files import load_config
+from tiny_evaluation import tiny_digits
 
 
 # -- The attack module (what a user writes) ------------------------------
@@ -113,15 +114,7 @@ def test_a_registered_attack_is_configured_like_the_built_in_ones(
 
 def test_a_registered_attack_runs_in_the_robustness_evaluation(
     registered, tmp_path):
-  config = load_config("tiny")
-  test = load_dataset(config.data)["test"]
-  data = ArrayDataset(test.images[:20], test.labels[:20], 10, "digits")
-  model = build_model(config.model)
-  variables = model.init(jax.random.key(0), jnp.zeros((10, 8, 8, 1)))
-  params = dict(variables["params"])  # A non-trivial head.
-  params["head"] = {**params["head"], "kernel": jax.random.normal(
-      jax.random.key(1), params["head"]["kernel"].shape)}
-  variables = {"params": params}
+  model, variables, data = tiny_digits()
   data_config = ml_collections.ConfigDict({"mean": 0.3, "std": 0.4})
   writer = MetricWriter(str(tmp_path), tensorboard=False)
   sections = evaluate_robustness(

@@ -17,12 +17,10 @@ from vmoe_ext.attacks.patch_swap import (check_patch_swap, patch_swap,
                                          patch_swap_details, swap_count,
                                          swap_mask)
 from vmoe_ext.config import validate
-from vmoe_ext.data import ArrayDataset, load_dataset
 from vmoe_ext.errors import ConfigError, InputError
 from vmoe_ext.evaluate.config import ATTACK, ROBUSTNESS
 from vmoe_ext.evaluate.robustness import Evaluator, attack_metrics
-from vmoe_ext.models import build_model
-from vmoe_ext.train.config_files import load_config
+from tiny_evaluation import tiny_digits
 
 # Overall probability that a statistical check below fails for a correct
 # sampler (each check splits it over its comparisons, Bonferroni).
@@ -237,16 +235,8 @@ def test_errors_that_need_the_images():
 
 @pytest.fixture(scope="module")
 def tiny():
-  config = load_config("tiny")  # digits 8 x 8, patch 4: 4 patches an image
-  test = load_dataset(config.data)["test"]
-  data = ArrayDataset(test.images[:20], test.labels[:20], 10, "digits")
-  model = build_model(config.model)
-  variables = jax.jit(model.init)(jax.random.key(0),
-                                  jnp.zeros((10, 8, 8, 1)))
-  params = dict(variables["params"])  # A non-trivial head.
-  params["head"] = {**params["head"], "kernel": jax.random.normal(
-      jax.random.key(1), params["head"]["kernel"].shape)}
-  return Evaluator(model, {"params": params}, 0.3, 0.4), data
+  model, variables, data = tiny_digits()  # 8 x 8, patch 4: 4 patches
+  return Evaluator(model, variables, 0.3, 0.4), data
 
 
 def test_attack_metrics_match_an_independent_computation(tiny):

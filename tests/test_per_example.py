@@ -7,20 +7,17 @@ from __future__ import annotations
 import json
 import os
 
-import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
 
-from vmoe_ext.data import ArrayDataset, load_dataset
 from vmoe_ext.data.corruptions import corrupt
 from vmoe_ext.evaluate import per_example
 from vmoe_ext.evaluate.evaluator import Evaluator
 from vmoe_ext.evaluate.robustness import evaluate_robustness
-from vmoe_ext.models import build_model
 from vmoe_ext.reporting.writers import MetricWriter
-from vmoe_ext.train.config_files import load_config
+from tiny_evaluation import tiny_digits
 
 
 def test_subset_index_is_evenly_spaced_and_whole_when_none():
@@ -49,15 +46,7 @@ def test_a_repeated_evaluation_name_gets_a_suffix_and_shapes_are_checked(
 
 
 def test_the_evaluation_writes_each_images_outcome(tmp_path):
-  config = load_config("tiny")
-  test = load_dataset(config.data)["test"]
-  data = ArrayDataset(test.images[:30], test.labels[:30], 10, "digits")
-  model = build_model(config.model)
-  variables = model.init(jax.random.key(0), jnp.zeros((10, 8, 8, 1)))
-  params = dict(variables["params"])  # A non-trivial head.
-  params["head"] = {**params["head"], "kernel": jax.random.normal(
-      jax.random.key(1), params["head"]["kernel"].shape)}
-  variables = {"params": params}
+  model, variables, data = tiny_digits(30)
   data_config = ml_collections.ConfigDict({"mean": 0.3, "std": 0.4})
   writer = MetricWriter(str(tmp_path), tensorboard=False)
   evaluate_robustness(

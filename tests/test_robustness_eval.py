@@ -13,30 +13,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vmoe_ext.data import ArrayDataset, load_dataset
+from vmoe_ext.data import ArrayDataset
 from vmoe_ext.errors import ConfigError
 from vmoe_ext.config import validate
 from vmoe_ext.evaluate.config import ROBUSTNESS
 from vmoe_ext.evaluate.robustness import Evaluator, attack_metrics
 from vmoe_ext.models import build_model
-from vmoe_ext.train.config_files import CONFIG_DIR, load_config
+from vmoe_ext.train.config_files import CONFIG_DIR
+from tiny_evaluation import tiny_digits
 
 ROOT = os.path.dirname(CONFIG_DIR)
 
 
 @pytest.fixture(scope="module")
 def setup():
-  config = load_config("tiny")
-  test = load_dataset(config.data)["test"]
-  data = ArrayDataset(test.images[:20], test.labels[:20], 10, "digits")
-  model = build_model(config.model)
-  variables = jax.jit(model.init)(jax.random.key(0),
-                                  jnp.zeros((10, 8, 8, 1)))
-  params = dict(variables["params"])  # A non-trivial head.
-  params["head"] = {**params["head"], "kernel": jax.random.normal(
-      jax.random.key(1), params["head"]["kernel"].shape)}
-  evaluator = Evaluator(model, {"params": params}, 0.3, 0.4)
-  return evaluator, data
+  model, variables, data = tiny_digits()
+  return Evaluator(model, variables, 0.3, 0.4), data
 
 
 def test_attack_metrics_match_an_independent_computation(setup):
