@@ -29,6 +29,7 @@ import sys
 from collections.abc import Sequence
 from typing import Optional
 
+import claims_paired
 from claims_rows import BLOCKS, Row
 from paired_stats import ImagePaired, expected_effect, judge, paired_seeds
 from verdicts import sampling_se
@@ -243,13 +244,20 @@ def read_block(text: str, name: str) -> Optional[list[str]]:
   return None if m is None else m.group(2).splitlines()
 
 
-def rewrite(text: str, blocks: dict[str, Sequence[Row]]) -> str:
-  """`text` with every named block's lines replaced by a fresh render."""
-  for name, rows in blocks.items():
+def rewrite(text: str, blocks: dict[str, Sequence[Row]],
+            paired: Sequence[str] = ()) -> str:
+  """`text` with every named block's lines replaced by a fresh render;
+  `paired`: blocks rendered from a per-image experiment's committed JSON
+  (`claims_paired.render`) where it exists."""
+  bodies = {name: render(rows) for name, rows in blocks.items()}
+  for name in paired:
+    if os.path.exists(os.path.join(RESULTS, f"{name}.json")):
+      bodies[name] = claims_paired.render(name)
+  for name, lines in bodies.items():
     pattern = block_pattern(name)
     if not pattern.search(text):
       raise KeyError(f"CLAIMS.md has no block {name!r}")
-    body = "\n".join(render(rows)) + "\n"
+    body = "\n".join(lines) + "\n"
     text = pattern.sub(lambda m, b=body: m.group(1) + b + m.group(3), text)
   return text
 
@@ -269,7 +277,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
   with open(CLAIMS, encoding="utf-8") as f:
     text = f.read()
-  fresh = rewrite(text, BLOCKS)
+  fresh = rewrite(text, BLOCKS, claims_paired.PAIRED_BLOCKS)
   if args.write:
     if fresh != text:
       with open(CLAIMS, "w", encoding="utf-8") as f:

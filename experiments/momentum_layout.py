@@ -16,19 +16,19 @@ On the default V-MoE (MoE in blocks 1 and 3, E = 4, top-2):
 
 * `noisy_topk`: the plain V-MoE (pre-LN residual);
 * `momentum_mu0`: the reference layout with mu 0, gamma 1 (the control);
-* `momentum_heavy_ball` (mu 0.8, gamma 1), `momentum_robust` (p 0.2,
-  kappa 1.25, L 1), `momentum_nag` (mu 0.7), `momentum_complex`
-  (|mu| 0.7, arg pi/8) and `momentum_sam` (rho 0.05: no momentum buffer, a
-  second control for the layout) from `configs/momentum.py`.
+* `momentum_heavy_ball` (mu 0.8, gamma 1), `momentum_nag` (mu 0.7),
+  `momentum_complex` (|mu| 0.7, arg pi/8) and `momentum_sam` (rho 0.05:
+  no momentum buffer, a second control for the layout) from
+  `configs/momentum.py`.
 
-And on the V-MoE with an MoE layer in each of its 4 blocks, where the
-time-varying schedule has 4 steps: `deep_noisy_topk`, `deep_mu0` and
-`deep_time_varying` (mu_t = (t - 1) / (t + 2)).
+Robust momentum and the time-varying stream (on 4 MoE layers) are not in
+this rerun yet: their rows in CLAIMS.md stay marked confounded.
 
 Every run is evaluated with the paired evaluation (`study.
-PAIRED_EVALUATION`: PGD on all 1,000 test images at three radii, each
-image's outcome recorded) and the claims are judged per image
-(`paired_stats`).
+PAIRED_EVALUATION`: the word-swap analogue and PGD at three radii on all
+1,000 test images, each image's outcome recorded) and the claims are
+judged per image (`paired_stats`). 3 seeds x 2 regimes, 36 runs: about
+100 minutes on the 2-core CPU with `--jobs 2`.
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ from paired_claims import run_paired_experiment
 from study import Candidate, Claim, parse_args
 
 _MU0 = (("model.stream.mu", 0.0),)
-_EVERY_BLOCK = (("model.moe.every", 1),)
 
 CANDIDATES = (
     Candidate("noisy_topk", "V-MoE (plain pre-LN residual)", "default"),
@@ -47,17 +46,10 @@ CANDIDATES = (
               "momentum", "heavy_ball", overrides=_MU0),
     Candidate("momentum_heavy_ball", "heavy-ball (mu 0.8)", "momentum",
               "heavy_ball"),
-    Candidate("momentum_robust", "robust momentum", "momentum", "robust"),
     Candidate("momentum_nag", "NAG (mu 0.7)", "momentum", "nag"),
     Candidate("momentum_complex", "complex momentum", "momentum", "complex"),
     Candidate("momentum_sam", "SAM (rho 0.05; no momentum)", "momentum",
               "sam"),
-    Candidate("deep_noisy_topk", "4 MoE layers: plain V-MoE", "default",
-              overrides=_EVERY_BLOCK),
-    Candidate("deep_mu0", "4 MoE layers: reference layout, mu 0",
-              "momentum", "heavy_ball", overrides=_EVERY_BLOCK + _MU0),
-    Candidate("deep_time_varying", "4 MoE layers: time-varying mu (TV)",
-              "momentum", "time_varying", overrides=_EVERY_BLOCK),
 )
 QUICK = ("noisy_topk", "momentum_mu0")
 
@@ -99,19 +91,6 @@ CLAIMS = (
     *_attacked("MomentumSMoE Table 1", "heavy-ball momentum is more robust "
                "to attacked inputs", "momentum_mu0", "momentum_heavy_ball",
                _T1),
-    Claim("MomentumSMoE Table 2 (IN-1K 73.16 → 73.20)",
-          "robust momentum improves clean accuracy", "momentum_mu0",
-          "momentum_robust", "clean", paper=(73.16, 73.20, "accuracy")),
-    Claim("MomentumSMoE Table 2 (IN-C mCE 67.14 → 64.92)",
-          "robust momentum lowers the corruption error", "momentum_mu0",
-          "momentum_robust", "mce", paper=(67.14, 64.92, "error")),
-    Claim("MomentumSMoE Table 2 (mCE 65.77 → 64.92)",
-          "robust momentum is more robust than heavy-ball (corruptions)",
-          "momentum_heavy_ball", "momentum_robust", "mce",
-          paper=(65.77, 64.92, "error")),
-    *_attacked("MomentumSMoE Table 9", "robust momentum is more robust to "
-               "attacked inputs", "momentum_mu0", "momentum_robust",
-               (44.19, 42.78, "ppl")),
     Claim("MomentumSMoE Table 9 (LM test PPL 35.55 → 35.46)",
           "NAG improves over the plain residual", "momentum_mu0",
           "momentum_nag", "clean", paper=(35.55, 35.46, "ppl")),
@@ -134,17 +113,6 @@ CLAIMS = (
     *_attacked("MomentumSMoE Table 9", "SAM is more robust to attacked "
                "inputs", "momentum_mu0", "momentum_sam",
                (44.19, 43.44, "ppl")),
-    Claim(_CONTROL + "; 4 MoE layers", "the reference layout (mu 0) raises "
-          "PGD accuracy", "deep_noisy_topk", "deep_mu0", "pgd_mid"),
-    Claim(_CONTROL + "; 4 MoE layers", "the reference layout (mu 0) raises "
-          "PGD accuracy", "deep_noisy_topk", "deep_mu0", "pgd"),
-    Claim("MomentumSMoE Table 6 (LM test PPL 35.55 → 35.08)",
-          "time-varying momentum improves over the plain residual",
-          "deep_mu0", "deep_time_varying", "clean",
-          paper=(35.55, 35.08, "ppl")),
-    *_attacked("MomentumSMoE Table 6", "time-varying momentum is more "
-               "robust to attacked inputs", "deep_mu0", "deep_time_varying",
-               (44.19, 43.97, "ppl")),
     Claim("MomentumSMoE §5.1, Fig. 4 left (LM: accelerated convergence; "
           "no numbers)", "heavy-ball momentum reaches the target training "
           "loss in fewer steps", "momentum_mu0", "momentum_heavy_ball",

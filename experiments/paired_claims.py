@@ -129,6 +129,51 @@ def outcomes_matrix(paths: Sequence[str], metric: str, regime: str
   return np.stack(rows)
 
 
+@dataclasses.dataclass(frozen=True)
+class Contrast:
+  """A claim that the candidate's gain over its baseline is larger in one
+  setting (`high`: (baseline, candidate) keys) than in another (`low`):
+  per seed and image the difference of the two differences, judged as a
+  claim, e.g. "momentum helps more in a deeper model". The images and
+  seeds are shared by the four arms."""
+  source: str
+  statement: str
+  low: tuple[str, str]
+  high: tuple[str, str]
+  metric: str
+  margin: Optional[float] = None
+  paper: Optional[tuple[float, float, str]] = None
+
+  @property
+  def baseline(self) -> str:
+    return f"{self.low[1]} - {self.low[0]}"
+
+  @property
+  def candidate(self) -> str:
+    return f"{self.high[1]} - {self.high[0]}"
+
+  @property
+  def keys(self) -> set[str]:
+    return set(self.low) | set(self.high)
+
+
+def claim_keys(claim) -> set[str]:
+  """The candidate keys a claim or contrast compares."""
+  return claim.keys if isinstance(claim, Contrast) else {claim.baseline,
+                                                         claim.candidate}
+
+
+def claim_arms(outcomes: dict, claim) -> tuple[np.ndarray, np.ndarray]:
+  """The two `[S, I]` (or `[S]`) arms a claim compares: the baseline's and
+  the candidate's outcomes, or a contrast's two gains."""
+  if isinstance(claim, Contrast):
+    gain = [outcomes[b, claim.metric] - outcomes[c, claim.metric]
+            for c, b in (claim.low, claim.high)]
+    return gain[0], gain[1]
+  return outcomes[claim.baseline, claim.metric], outcomes[
+      claim.candidate, claim.metric]
+
+
 def claim_stats(a: np.ndarray, b: np.ndarray, claim, our_base: float,
                 better: int) -> tuple[ImagePaired, Optional[float], str]:
   """The claim's paired statistics (per image for `[S, I]` outcomes, per
@@ -175,19 +220,25 @@ def claims_rows(outcomes: dict, regime: str, claims: Sequence, labels: dict
   the `[S]` values of a run-level one."""
   lines, records = list(HEADER), []
   for claim in claims:
-    a = outcomes[claim.baseline, claim.metric]
-    b = outcomes[claim.candidate, claim.metric]
+    a, b = claim_arms(outcomes, claim)
     label, better = metric_of(claim.metric)
-    our_base = float(a.mean()) * (100 if a.ndim == 2 else 1)
+    if isinstance(claim, Contrast):  # The baseline setting's own level.
+      base = outcomes[claim.low[0], claim.metric]
+      our_base = float(base.mean()) * (100 if base.ndim == 2 else 1)
+    else:
+      our_base = float(a.mean()) * (100 if a.ndim == 2 else 1)
     diff, expected, verdict = claim_stats(a, b, claim, our_base, better)
     mean_s = float(np.mean(diff.seed_diffs))
     statement = claim.statement + (
         f" (\\|difference\\| <= {claim.margin:g})" if claim.margin else "")
     disc = ("-" if diff.discordant is None
             else f"{diff.discordant[0]} / {diff.discordant[1]}")
+    arms = ((f"gain of {labels[claim.low[1]]} over {labels[claim.low[0]]}",
+             f"gain of {labels[claim.high[1]]} over {labels[claim.high[0]]}")
+            if isinstance(claim, Contrast)
+            else (labels[claim.baseline], labels[claim.candidate]))
     lines.append(
-        f"| {claim.source} | {statement} | {labels[claim.baseline]} → "
-        f"{labels[claim.candidate]} | {label} | "
+        f"| {claim.source} | {statement} | {arms[0]} → {arms[1]} | {label} | "
         f"{mean_s:+.2f} ± {diff.seed_std:.2f} | {diff.mean:+.2f} (se "
         f"{diff.se:.2f}, df {diff.df:.1f}) | {diff.p:.3f} | "
         f"{diff.mdd:.2f} | {_num(expected, '+')} | {disc} | {verdict} |")
@@ -204,14 +255,14 @@ def claims_rows(outcomes: dict, regime: str, claims: Sequence, labels: dict
 
 def write_images(path: str, outcomes: dict[str, dict]) -> None:
   """NAME_images.npz: `REGIME/KEY/METRIC` -> `[S, I]` outcomes, correctness
-  as uint8, per-image errors as float32."""
+  as uint8, per-image errors as float64."""
   arrays = {}
   for regime, table in outcomes.items():
     for (key, metric), matrix in table.items():
       if metric not in IMAGE_METRICS and not metric.startswith("corr:"):
         continue  # Run-level values: in NAME.json.
       dtype = (np.uint8 if image_metric(metric).better > 0
-               else np.float32)
+               else np.float64)  # Exact: the test re-derives from these.
       arrays[f"{regime}/{key}/{metric}"] = matrix.astype(dtype)
   os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
   np.savez_compressed(path, **arrays)
@@ -261,7 +312,7 @@ def run_paired_experiment(title: str, intro: Sequence[str],
         study.build_config(candidates[0], args.seeds[0], regimes[0], True,
                            True))
   keys = {c.key for c in candidates}
-  claims = [c for c in claims if {c.baseline, c.candidate} <= keys]
+  claims = [c for c in claims if claim_keys(c) <= keys]
   for regime in regimes:  # A per-seed study's run in ROOT has no images.
     for c in candidates:
       for s in args.seeds:

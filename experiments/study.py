@@ -447,15 +447,16 @@ def save_figure(fig, regime: str, seeds: Sequence[int], path: str) -> str:
 
 
 def parse_args(description: str, argv: Optional[Sequence[str]] = None,
-               default_root: str = os.path.join("runs", "repro")
+               default_root: str = os.path.join("runs", "repro"),
+               default_regimes: Sequence[str] = tuple(REGIMES)
                ) -> argparse.Namespace:
-  """`--seeds` (default 0 1 2; quick: 0 1), `--root`, `--regimes`,
-  `--quick`, `--jobs`."""
+  """`--seeds` (default 0 1 2; quick: 0 1), `--root`, `--regimes`
+  (default `default_regimes`), `--quick`, `--jobs`."""
   parser = argparse.ArgumentParser(description=description)
   parser.add_argument("--seeds", type=int, nargs="+", default=None)
   parser.add_argument("--root", default=default_root)
   parser.add_argument("--regimes", nargs="+", choices=sorted(REGIMES),
-                      default=list(REGIMES))
+                      default=list(default_regimes))
   parser.add_argument("--quick", action="store_true",
                       help="tiny budgets (CI): the numbers mean nothing")
   parser.add_argument("--jobs", type=int, default=2,

@@ -44,7 +44,7 @@ def test_the_study_scripts_are_found():
   assert {"acmoe_vmoe", "routers_vmoe", "momentum_extensions",
           "momentum_negative_complex", "symphony_experts",
           "momentum_layout"} <= set(NAMES)
-  assert PER_IMAGE == ["momentum_layout"]
+  assert PER_IMAGE == ["momentum_depth", "momentum_layout"]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -57,7 +57,7 @@ def test_claims_and_quick_keys_name_the_scripts_candidates(name):
   if name in PER_IMAGE:  # Per-image metrics, and run-level ones.
     metrics.update(paired_claims.IMAGE_METRICS)
   for claim in module.CLAIMS:
-    assert {claim.baseline, claim.candidate} <= set(keys), (name, claim)
+    assert paired_claims.claim_keys(claim) <= set(keys), (name, claim)
     if name in PER_IMAGE:
       paired_claims.metric_of(claim.metric)  # KeyError if unknown.
     else:
