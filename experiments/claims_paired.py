@@ -22,7 +22,7 @@ import paired_claims
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 # CLAIMS.md block -> the experiment whose committed results fill it.
-PAIRED_BLOCKS = ("momentum_layout",)
+PAIRED_BLOCKS = ("momentum_layout", "momentum_depth")
 REGIME_ORDER = ("default", "low_data")
 
 

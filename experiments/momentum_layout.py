@@ -122,6 +122,15 @@ CLAIMS = (
           "in fewer steps", "momentum_mu0", "momentum_complex",
           "steps_to_loss"),
 )
+# The earlier comparison, stream (in its layout) vs the plain V-MoE, on its
+# metric (PGD at eps 0.05): layout and momentum together, for reference.
+CLAIMS += tuple(
+    Claim("confounded, for reference: stream and layout together vs the "
+          "plain V-MoE (the earlier rows' comparison)", f"{label} in its "
+          "layout beats the plain V-MoE under PGD", "noisy_topk", key, "pgd")
+    for key, label in (("momentum_heavy_ball", "heavy-ball"),
+                       ("momentum_nag", "NAG"),
+                       ("momentum_complex", "complex momentum")))
 # MomentumSMoE Table 8: top-1 accuracy per ImageNet-C corruption, V-MoE
 # and MomentumV-MoE (heavy-ball).
 TABLE8 = {"brightness": (67.25, 67.77), "contrast": (36.94, 40.94),

@@ -14,6 +14,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir,
                                 "experiments"))
 import claims_index as ci  # noqa: E402
+import claims_paired  # noqa: E402
 from claims_rows import BLOCKS, Row  # noqa: E402
 
 with open(ci.CLAIMS, encoding="utf-8") as _f:
@@ -33,12 +34,15 @@ def test_a_block_is_what_the_committed_values_give(name):
       "python experiments/claims_index.py --write")
 
 
-def test_the_rerun_block_is_left_for_its_experiment():
-  assert ci.read_block(TEXT, "momentum_layout") is not None
+@pytest.mark.parametrize("name", claims_paired.PAIRED_BLOCKS)
+def test_a_per_image_block_is_what_its_committed_results_give(name):
+  # The rerun experiments' blocks, rendered from experiments/results/NAME.json
+  # (tests/test_paired_claims.py re-derives that JSON from the outcomes).
+  assert ci.read_block(TEXT, name) == claims_paired.render(name)
 
 
 def test_rewrite_is_idempotent():
-  assert ci.rewrite(TEXT, BLOCKS) == TEXT
+  assert ci.rewrite(TEXT, BLOCKS, claims_paired.PAIRED_BLOCKS) == TEXT
 
 
 @pytest.mark.parametrize("row", ROWS, ids=lambda r: f"{r.report}:"
