@@ -103,3 +103,48 @@ def test_claim_rows_and_the_committed_files_round_trip(tmp_path):
   back = pc.read_images(path)["default"]
   assert set(back) == {("a", "clean"), ("b", "clean")}  # Load: in JSON.
   np.testing.assert_array_equal(back["a", "clean"], outcomes["a", "clean"])
+
+
+@pytest.mark.parametrize("name, regimes", [
+    ("momentum_layout", {"default", "low_data"}),
+    ("momentum_depth", {"low_data"})])
+def test_the_committed_per_image_claims_rederive_from_their_outcomes(
+    name, regimes):
+  # experiments/results/NAME.json and NAME_images.npz: every claim's numbers
+  # and verdict recomputed from the committed outcomes and per-seed values.
+  import importlib
+
+  import claims_paired
+  claims = importlib.import_module(name).CLAIMS
+  committed = claims_paired.load(name)
+  again = claims_paired.rederive(name, claims)
+  assert set(again) == set(committed["claims"]) == regimes
+  for regime, records in committed["claims"].items():
+    assert len(again[regime]) == len(records) == len(claims)
+    for new, old in zip(again[regime], records):
+      assert new["verdict"] == old["verdict"], (regime, old["statement"])
+      for field in ("effect", "se", "df", "mdd", "baseline_value"):
+        assert new[field] == pytest.approx(old[field], rel=1e-12), field
+      assert new["seed_diffs"] == pytest.approx(old["seed_diffs"],
+                                                rel=1e-12)
+
+
+def test_a_contrast_judges_the_difference_of_two_gains():
+  rng = np.random.default_rng(3)
+  base = (rng.random((3, 400)) < 0.7).astype(float)
+  outcomes = {("lo_a", "clean"): base, ("lo_b", "clean"): base.copy(),
+              ("hi_a", "clean"): base.copy(), ("hi_b", "clean"): base.copy()}
+  outcomes["hi_b", "clean"][:, :100] = 1.0  # A gain only in the high arm.
+  contrast = pc.Contrast("src", "the gain grows", ("lo_a", "lo_b"),
+                         ("hi_a", "hi_b"), "clean")
+  assert pc.claim_keys(contrast) == {"lo_a", "lo_b", "hi_a", "hi_b"}
+  lines, records = pc.claims_rows(outcomes, "default", [contrast],
+                                  {k: k for k in pc.claim_keys(contrast)})
+  gain_lo = outcomes["lo_b", "clean"] - outcomes["lo_a", "clean"]
+  gain_hi = outcomes["hi_b", "clean"] - outcomes["hi_a", "clean"]
+  diff = paired_stats.paired_images(gain_lo, gain_hi)
+  assert records[0]["effect"] == pytest.approx(diff.mean)
+  assert records[0]["effect"] == pytest.approx(
+      100 * (gain_hi - gain_lo).mean())
+  assert records[0]["verdict"] == "reproduced"
+  assert "gain of hi_b over hi_a" in lines[-1]
