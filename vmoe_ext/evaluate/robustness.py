@@ -267,13 +267,15 @@ def evaluate_robustness(model: nn.Module, variables: Mapping[str, Any],
       n = attack.pop("num_examples", None)
       subset = _subset(data, n)
       name = attack["name"]
-      outcomes: dict[str, np.ndarray] = {}
+      outcomes: Optional[dict[str, np.ndarray]] = (
+          {} if record.enabled else None)
       m = attack_metrics(evaluator, subset, attack, batch_size, cfg["seed"],
                          desc=name, outcomes=outcomes)
       eps = attack.get("eps")
-      record.add(eval_name("adversarial", name, eps),
-                 data_index[subset_index(len(data), n)], outcomes["correct"],
-                 outcomes["top5"])
+      if outcomes is not None:
+        record.add(eval_name("adversarial", name, eps),
+                   data_index[subset_index(len(data), n)],
+                   outcomes["correct"], outcomes["top5"])
       writer.write(step, f"adversarial/{name}",
                    {**m, "eps": eps, "num_examples": len(subset)})
       results.append((attack, m, len(subset)))
@@ -298,12 +300,13 @@ def evaluate_robustness(model: nn.Module, variables: Mapping[str, Any],
     eps_list = [float(e) for e in sweep["eps"]]
     acc, routing = [], {}
     for e in eps_list:  # eps = 0 is the clean input (the eps-ball is a point).
-      outcomes = {}
+      outcomes = {} if record.enabled else None
       m = attack_metrics(evaluator, data, {**attack, "eps": e}, batch_size,
                          cfg["seed"], desc=f"{attack['name']} eps={e:g}",
                          outcomes=outcomes)
-      record.add(eval_name("sweep", attack["name"], e), data_index,
-                 outcomes["correct"], outcomes["top5"])
+      if outcomes is not None:
+        record.add(eval_name("sweep", attack["name"], e), data_index,
+                   outcomes["correct"], outcomes["top5"])
       writer.write(step, f"sweep/{attack['name']}",
                    {**m, "eps": e, "num_examples": len(data)})
       acc.append(m["accuracy"])
