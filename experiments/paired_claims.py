@@ -21,8 +21,8 @@ from typing import Optional
 
 import numpy as np
 
-from paired_stats import (ImagePaired, expected_effect, judge,
-                          paired_images, paired_seeds)
+from paired_stats import (ImagePaired, judge_claim, paired_images,
+                          paired_seeds)
 from vmoe_ext.evaluate import per_example
 
 
@@ -182,13 +182,9 @@ def claim_stats(a: np.ndarray, b: np.ndarray, claim, our_base: float,
   claimed direction is the metric's `better`, or the paper's where its
   numbers show the candidate worse (e.g. SAM's clean accuracy)."""
   diff = paired_images(a, b) if a.ndim == 2 else paired_seeds(a, b)
-  expected, claimed = None, better
-  if claim.paper is not None:
-    base, cand, kind = claim.paper
-    expected = expected_effect(base, cand, kind, our_base, better)
-    if expected < 0:  # The paper finds the candidate worse: that's the claim.
-      claimed = -better
-  return diff, expected, judge(diff, claimed, expected, claim.margin)
+  expected, verdict = judge_claim(diff, better, claim.paper, our_base,
+                                  claim.margin)
+  return diff, expected, verdict
 
 
 def metric_of(name: str) -> tuple[str, int]:

@@ -171,6 +171,24 @@ def judge(diff: ImagePaired, better: int,
   return "not at this scale"
 
 
+def judge_claim(diff: ImagePaired, better: int,
+                paper: Optional[tuple[float, float, str]], our_base: float,
+                margin: Optional[float] = None
+                ) -> tuple[Optional[float], str]:
+  """`(expected, verdict)` of a claim with the paper's `(baseline,
+  candidate, kind)` numbers (or None): the paper's effect on our scale
+  (`expected_effect`, from our baseline's value `our_base`) and `judge`'s
+  verdict in the claimed direction — the metric's `better`, or the
+  opposite where the paper's numbers show the candidate worse (e.g. SAM's
+  clean accuracy)."""
+  expected, claimed = None, better
+  if paper is not None:
+    expected = expected_effect(*paper, our_base, better)
+    if expected < 0:
+      claimed = -better
+  return expected, judge(diff, claimed, expected, margin)
+
+
 # How a paper's number reads as an error (lower is better): accuracies are
 # 100 - accuracy; perplexities and error rates are errors already.
 PAPER_KINDS = ("accuracy", "error", "ppl")

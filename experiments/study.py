@@ -30,7 +30,7 @@ import jax
 import evaluate_only
 from common import (config_for, describe_evaluation, mean_std,
                     paired_evaluation, write_report)
-from paired_stats import expected_effect, judge, paired_seeds
+from paired_stats import judge_claim, paired_seeds
 from verdicts import sampling_se
 from vmoe_ext.app.schema import validate_config
 from vmoe_ext.app.train import train_and_evaluate
@@ -359,12 +359,8 @@ def claims_table(runs: dict, regime: str, claims: Sequence[Claim],
       floor = sampling_se(statistics.mean(base + cand), min(counts),
                           len(seeds))
     diff = paired_seeds(base, cand, floor)
-    expected, claimed = None, metric.better
-    if claim.paper is not None:
-      expected = expected_effect(*claim.paper, statistics.mean(base),
-                                 metric.better)
-      claimed = metric.better if expected >= 0 else -metric.better
-    v = judge(diff, claimed, expected, claim.margin)
+    _, v = judge_claim(diff, metric.better, claim.paper,
+                       statistics.mean(base), claim.margin)
     rows.append(dict(claim=claim, diff=diff, verdict=v, floor=floor))
     if claim.margin is not None:  # "\\|" keeps the table's columns.
       statement = (f"{claim.statement} (\\|difference\\| <= "
