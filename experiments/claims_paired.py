@@ -42,6 +42,10 @@ def _num(x, sign: bool = False) -> str:
 def _ours(r: dict) -> str:
   seeds = r["seed_diffs"]
   std = float(np.std(seeds, ddof=1)) if len(seeds) > 1 else 0.0
+  if not paired_claims.is_image_metric(r["metric"]):  # A model's value.
+    return (f"{_num(np.mean(seeds), True)} ± {_num(std)} (over seeds: se "
+            f"{_num(r['se'])}, df {r['df']:.0f}; baseline "
+            f"{_num(r['baseline_value'])})")
   return (f"{_num(np.mean(seeds), True)} ± {_num(std)} (per image "
           f"{_num(r['effect'], True)}, se {_num(r['se'])}, df "
           f"{r['df']:.1f}; baseline {_num(r['baseline_value'])})")
@@ -56,24 +60,28 @@ def render(name: str, results: str = RESULTS) -> list[str]:
   cells side by side (a regime not run reads "not run")."""
   data = load(name, results)
   regimes = [r for r in REGIME_ORDER if r in data["claims"]]
-  first = data["claims"][regimes[0]]
   lines = ["| source | claim | baseline → candidate | metric | "
            + " | ".join(f"ours: {r.replace('_', ' ')}" for r in regimes)
            + " | detects ≥ (MDD) | paper's effect here | verdict |",
            "|---|---|---|---|" + "---|" * len(regimes) + "---|---|---|"]
-  for i, claim in enumerate(first):
-    records = [data["claims"][r][i] for r in regimes]
-    for r in records:  # Every regime judged the same claims in order.
-      assert (r["statement"], r["metric"]) == (claim["statement"],
-                                               claim["metric"]), name
+  # A claim is one row; a regime that did not judge it reads "not run".
+  key = lambda r: (r["statement"], r["baseline"], r["candidate"],
+                   r["metric"])
+  by_regime = {g: {key(r): r for r in data["claims"][g]} for g in regimes}
+  order = list(dict.fromkeys(key(r) for g in regimes
+                             for r in data["claims"][g]))
+  for k in order:
+    claim = next(by_regime[g][k] for g in regimes if k in by_regime[g])
+    records = [by_regime[g].get(k) for g in regimes]
+    ran = [r for r in records if r is not None]
     label, _ = paired_claims.metric_of(claim["metric"])
     lines.append(
         f"| {claim['source']} | {claim['statement']} | "
         f"`{claim['baseline']}` → `{claim['candidate']}` | {label} | "
-        + " | ".join(_ours(r) for r in records) + " | "
-        + _both([_num(r["mdd"]) for r in records]) + " | "
-        + _both([_num(r["expected"], True) for r in records]) + " | "
-        + _both([r["verdict"] for r in records]) + " |")
+        + " | ".join("not run" if r is None else _ours(r) for r in records)
+        + " | " + _both([_num(r["mdd"]) for r in ran]) + " | "
+        + _both([_num(r["expected"], True) for r in ran]) + " | "
+        + _both([r["verdict"] for r in ran]) + " |")
   return lines
 
 
@@ -95,8 +103,7 @@ def rederive(name: str, claims: Sequence, results: str = RESULTS
         if (key, metric) not in outcomes:  # Run-level metrics.
           outcomes[key, metric] = np.asarray(seeds, np.float64)
     judged = [c for c in claims
-              if all((k, c.metric) in outcomes
-                     for k in paired_claims.claim_keys(c))]
+              if paired_claims.claim_needs(c) <= set(outcomes)]
     labels = {k: k for c in judged for k in paired_claims.claim_keys(c)}
     _, out[regime] = paired_claims.claims_rows(outcomes, regime, judged,
                                                labels)

@@ -93,7 +93,7 @@ def paired_evaluation(config):
 
 def describe_evaluation(config) -> str:
   """What `config`'s robustness section evaluates, with its real numbers:
-  "FGSM / PGD-2 at eps 0.05 and the corruption suite (severities 3) on 32
+  "FGSM / PGD-2 at eps 0.05 and the corruption suite (severities 1, 5) on 32
   test images, clean accuracy on the whole test split." (e.g. study.py's
   quick-mode report header)."""
   rob = config.get("robustness")

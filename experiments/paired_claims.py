@@ -45,6 +45,7 @@ IMAGE_METRICS = {
     "top5": ImageMetric("clean top-5 accuracy %", +1, "top5"),
     "fgsm": ImageMetric("FGSM accuracy % (eps 0.05)", +1),
     "pgd": ImageMetric("PGD-10 accuracy % (eps 0.05)", +1),
+    "pgd_small": ImageMetric("PGD-10 accuracy % (eps 0.01)", +1),
     "pgd_mid": ImageMetric("PGD-10 accuracy % (baseline 30-70%: eps 0.03 "
                            "default, 0.01 low data)", +1),
     "mce": ImageMetric("corruption error % (per image, mean over 75 "
@@ -60,11 +61,23 @@ TREND_CORRUPTIONS = ("gaussian_noise", "impulse_noise")
 
 
 def image_metric(name: str) -> ImageMetric:
-  """A fixed per-image metric, or `corr:NAME`: the image's error on one
-  corruption, averaged over its severities."""
+  """A fixed per-image metric; `corr:NAME`: the image's error on one
+  corruption, averaged over its severities; `corr5:NAME`: its accuracy on
+  that corruption at severity 5; `spsa:EPS`: its accuracy under SPSA at
+  that radius (an evaluation only some candidates run)."""
   if name.startswith("corr:"):
     return ImageMetric(f"{name[5:]} error %", -1)
+  if name.startswith("corr5:"):
+    return ImageMetric(f"{name[6:]} accuracy % (severity 5)", +1)
+  if name.startswith("spsa:"):
+    return ImageMetric(f"SPSA accuracy % (eps {name[5:]})", +1)
   return IMAGE_METRICS[name]
+
+
+def is_image_metric(name: str) -> bool:
+  """Whether `name` is a per-image metric (else a run-level one)."""
+  return name in IMAGE_METRICS or name.split(":")[0] in ("corr", "corr5",
+                                                         "spsa")
 
 
 def eval_names(metric: str, regime: str, available: Sequence[str]
@@ -76,6 +89,12 @@ def eval_names(metric: str, regime: str, available: Sequence[str]
     return [per_example.eval_name("adversarial", "fgsm", 0.05)]
   if metric == "pgd":
     return [per_example.eval_name("adversarial", "pgd", 0.05)]
+  if metric == "pgd_small":
+    return [per_example.eval_name("adversarial", "pgd", 0.01)]
+  if metric.startswith("spsa:"):
+    return [per_example.eval_name("adversarial", "spsa", float(metric[5:]))]
+  if metric.startswith("corr5:"):
+    return [f"corruption/{metric[6:]}/s5"]
   if metric == "pgd_mid":
     return [per_example.eval_name("adversarial", "pgd", MID_EPS[regime])]
   if metric == "swap":
@@ -135,7 +154,9 @@ class Contrast:
   setting (`high`: (baseline, candidate) keys) than in another (`low`):
   per seed and image the difference of the two differences, judged as a
   claim, e.g. "momentum helps more in a deeper model". The images and
-  seeds are shared by the four arms."""
+  seeds are shared by the four arms. With `low_metric`, the low setting is
+  another metric of the same arms, e.g. "the PGD gain grows with eps":
+  `low` = `high` and `low_metric` the smaller radius."""
   source: str
   statement: str
   low: tuple[str, str]
@@ -143,14 +164,17 @@ class Contrast:
   metric: str
   margin: Optional[float] = None
   paper: Optional[tuple[float, float, str]] = None
+  low_metric: Optional[str] = None
 
   @property
   def baseline(self) -> str:
-    return f"{self.low[1]} - {self.low[0]}"
+    at = f" ({self.low_metric})" if self.low_metric else ""
+    return f"{self.low[1]} - {self.low[0]}{at}"
 
   @property
   def candidate(self) -> str:
-    return f"{self.high[1]} - {self.high[0]}"
+    at = f" ({self.metric})" if self.low_metric else ""
+    return f"{self.high[1]} - {self.high[0]}{at}"
 
   @property
   def keys(self) -> set[str]:
@@ -163,12 +187,29 @@ def claim_keys(claim) -> set[str]:
                                                          claim.candidate}
 
 
+def claim_needs(claim) -> set[tuple[str, str]]:
+  """The `(key, metric)` outcomes a claim or contrast reads."""
+  if isinstance(claim, Contrast):
+    return ({(k, claim.metric) for k in claim.high}
+            | {(k, claim.low_metric or claim.metric) for k in claim.low})
+  return {(k, claim.metric) for k in (claim.baseline, claim.candidate)}
+
+
+def claim_metrics(claims: Sequence) -> set[str]:
+  """Every metric the claims read (a contrast's `low_metric` too)."""
+  return {c.metric for c in claims} | {
+      c.low_metric for c in claims
+      if isinstance(c, Contrast) and c.low_metric is not None}
+
+
 def claim_arms(outcomes: dict, claim) -> tuple[np.ndarray, np.ndarray]:
   """The two `[S, I]` (or `[S]`) arms a claim compares: the baseline's and
   the candidate's outcomes, or a contrast's two gains."""
   if isinstance(claim, Contrast):
-    gain = [outcomes[b, claim.metric] - outcomes[c, claim.metric]
-            for c, b in (claim.low, claim.high)]
+    low_metric = claim.low_metric or claim.metric
+    gain = [outcomes[b, m] - outcomes[c, m]
+            for (c, b), m in ((claim.low, low_metric),
+                              (claim.high, claim.metric))]
     return gain[0], gain[1]
   return outcomes[claim.baseline, claim.metric], outcomes[
       claim.candidate, claim.metric]
@@ -187,11 +228,26 @@ def claim_stats(a: np.ndarray, b: np.ndarray, claim, our_base: float,
   return diff, expected, verdict
 
 
+# Run-level metrics computed from a run's checkpoint by an analysis
+# script (`momentum_norms.py`: `vmoe_ext.evaluate.expert_norms`), not from
+# its training log: (label, better).
+ANALYSIS_METRICS = {
+    "output_norm": ("MoE output norm ‖f(x)‖ (mean over test tokens)", -1),
+    "rank_share": ("share % of the selections going to the expert of that "
+                   "output-norm rank (mean over MoE layers)", +1),
+    "rank_imbalance": ("norm-rank selection imbalance (std of the rank "
+                       "shares %, mean over MoE layers)", -1),
+}
+
+
 def metric_of(name: str) -> tuple[str, int]:
-  """(label, better) of a per-image metric or a run-level one
-  (`study.METRICS`: load, train loss, steps to a target loss)."""
-  if name in IMAGE_METRICS or name.startswith("corr:"):
+  """(label, better) of a per-image metric, an analysis one
+  (`ANALYSIS_METRICS`) or a run-level one (`study.METRICS`: load, train
+  loss, steps to a target loss)."""
+  if is_image_metric(name):
     return image_metric(name).label, image_metric(name).better
+  if name in ANALYSIS_METRICS:
+    return ANALYSIS_METRICS[name]
   import study  # Run-level metrics.
   return study.METRICS[name].label, study.METRICS[name].better
 
@@ -219,7 +275,7 @@ def claims_rows(outcomes: dict, regime: str, claims: Sequence, labels: dict
     a, b = claim_arms(outcomes, claim)
     label, better = metric_of(claim.metric)
     if isinstance(claim, Contrast):  # The baseline setting's own level.
-      base = outcomes[claim.low[0], claim.metric]
+      base = outcomes[claim.low[0], claim.low_metric or claim.metric]
       our_base = float(base.mean()) * (100 if base.ndim == 2 else 1)
     else:
       our_base = float(a.mean()) * (100 if a.ndim == 2 else 1)
@@ -229,10 +285,13 @@ def claims_rows(outcomes: dict, regime: str, claims: Sequence, labels: dict
         f" (\\|difference\\| <= {claim.margin:g})" if claim.margin else "")
     disc = ("-" if diff.discordant is None
             else f"{diff.discordant[0]} / {diff.discordant[1]}")
-    arms = ((f"gain of {labels[claim.low[1]]} over {labels[claim.low[0]]}",
-             f"gain of {labels[claim.high[1]]} over {labels[claim.high[0]]}")
-            if isinstance(claim, Contrast)
-            else (labels[claim.baseline], labels[claim.candidate]))
+    if isinstance(claim, Contrast):
+      at = ((f" ({claim.low_metric})", f" ({claim.metric})")
+            if claim.low_metric else ("", ""))
+      arms = tuple(f"gain of {labels[new]} over {labels[old]}{suffix}"
+                   for (old, new), suffix in zip((claim.low, claim.high), at))
+    else:
+      arms = (labels[claim.baseline], labels[claim.candidate])
     lines.append(
         f"| {claim.source} | {statement} | {arms[0]} → {arms[1]} | {label} | "
         f"{mean_s:+.2f} ± {diff.seed_std:.2f} | {diff.mean:+.2f} (se "
@@ -249,13 +308,31 @@ def claims_rows(outcomes: dict, regime: str, claims: Sequence, labels: dict
   return lines, records
 
 
+def candidate_outcomes(paths: dict[str, Sequence[str]],
+                       metrics: Sequence[str], claims: Sequence,
+                       regime: str) -> dict[tuple[str, str], np.ndarray]:
+  """`{(key, metric): [S, I]}` for every candidate and per-image metric its
+  runs evaluated; one a claim reads must be there (a candidate that only
+  re-evaluates with another attack, e.g. SPSA, lacks the others)."""
+  needed = set().union(*(claim_needs(c) for c in claims))
+  out = {}
+  for key, runs in paths.items():
+    for metric in metrics:
+      try:
+        out[key, metric] = outcomes_matrix(runs, metric, regime)
+      except KeyError:
+        if (key, metric) in needed:
+          raise
+  return out
+
+
 def write_images(path: str, outcomes: dict[str, dict]) -> None:
   """NAME_images.npz: `REGIME/KEY/METRIC` -> `[S, I]` outcomes, correctness
   as uint8, per-image errors as float64."""
   arrays = {}
   for regime, table in outcomes.items():
     for (key, metric), matrix in table.items():
-      if metric not in IMAGE_METRICS and not metric.startswith("corr:"):
+      if not is_image_metric(metric):
         continue  # Run-level values: in NAME.json.
       dtype = (np.uint8 if image_metric(metric).better > 0
                else np.float64)  # Exact: the test re-derives from these.
@@ -337,27 +414,28 @@ def run_paired_experiment(title: str, intro: Sequence[str],
     paths = {c.key: [study.run_dir(args.root, regime, c, s)
                      for s in args.seeds] for c in candidates}
     # The table's metrics and every other one a claim reads.
-    image = list(metrics) + sorted({c.metric for c in claims} - set(metrics)
+    image = list(metrics) + sorted(claim_metrics(claims) - set(metrics)
                                    - set(record_metrics))
-    outcomes = {(c.key, m): outcomes_matrix(paths[c.key], m, regime.name)
-                for c in candidates for m in image}
+    outcomes = candidate_outcomes(paths, image, claims, regime.name)
     outcomes.update({(c.key, m): np.asarray(study.values(
         runs, regime.name, c.key, m, args.seeds)) for c in candidates
                      for m in record_metrics})
     all_outcomes[regime.name] = outcomes
     table = ["| model | " + " | ".join(
-        [IMAGE_METRICS[m].label for m in metrics]
+        [image_metric(m).label for m in metrics]
         + [study.METRICS[m].label for m in record_metrics]) + " |",
              "|---|" + "---|" * (len(metrics) + len(record_metrics))]
     for c in candidates:
       cells = ["{:.2f} ± {:.2f}".format(*mean_std(
-          list(100 * outcomes[c.key, m].mean(1)))) for m in metrics]
+          list(100 * outcomes[c.key, m].mean(1))))
+               if (c.key, m) in outcomes else "–" for m in metrics]
       cells += ["{:.3g} ± {:.2g}".format(*mean_std(study.values(
           runs, regime.name, c.key, m, args.seeds)))
                 for m in record_metrics]
       table.append(f"| {c.label} | " + " | ".join(cells) + " |")
       per_seed[f"{regime.name}/{c.key}"] = {
-          **{m: list(100 * outcomes[c.key, m].mean(1)) for m in metrics},
+          **{m: list(100 * outcomes[c.key, m].mean(1)) for m in metrics
+             if (c.key, m) in outcomes},
           **{m: study.values(runs, regime.name, c.key, m, args.seeds)
              for m in record_metrics}}
     claim_lines, rows = claims_rows(outcomes, regime.name, claims, labels)
@@ -373,7 +451,8 @@ def run_paired_experiment(title: str, intro: Sequence[str],
       for i, s in enumerate(args.seeds):
         lines.append(f"- {c.label}, seed {s}: " + ", ".join(
             f"{m} {per_seed[f'{regime.name}/{c.key}'][m][i]:.3f}"
-            for m in list(metrics) + list(record_metrics)))
+            for m in list(metrics) + list(record_metrics)
+            if m in per_seed[f"{regime.name}/{c.key}"]))
     lines.append("")
   write_images(os.path.join(args.root, f"{name}_images.npz"), all_outcomes)
   write_json(os.path.join(args.root, f"{name}.json"),

@@ -154,8 +154,12 @@ def judge(diff: ImagePaired, better: int,
   claimed direction; `expected_effect`), which makes a null result
   "undecidable here" when it is below the MDD. With `margin` M, a claim of
   no effect: reproduced when the 95% interval lies within +-M, contradicted
-  when it lies wholly outside, else undecidable here."""
+  when it lies wholly outside, else undecidable here. Two arms that score
+  every image alike in every seed (a floor or ceiling of a per-image
+  metric: se 0, no difference) measure nothing: undecidable here."""
   if diff.seeds < MIN_SEEDS or math.isnan(diff.mean):
+    return "undecidable here"
+  if margin is None and diff.images and diff.se == 0 and diff.mean == 0:
     return "undecidable here"
   half = diff.critical * diff.se
   if margin is not None:

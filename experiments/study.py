@@ -189,8 +189,10 @@ def build_config(candidate: Candidate, seed: int, regime: Regime,
                  quick: bool, per_image: bool = False):
   """The candidate's config for one seed and regime, with the robustness
   section of `common.config_for` (`EVALUATION`), or with `per_image` of
-  `common.paired_evaluation` (`PAIRED_EVALUATION`); quick: 2 PGD steps,
-  severity 3, 32 images; the routing analysis without its t-SNE figure."""
+  `common.paired_evaluation` (`PAIRED_EVALUATION`); quick: 2 PGD and SPSA
+  steps, severities 1 and 5 (the severity trend and the severity-5
+  metrics read both), 32 images; the routing analysis without its t-SNE
+  figure."""
   config = config_for(candidate.config, seed, candidate.arg)
   if per_image:
     config = paired_evaluation(config)
@@ -211,10 +213,10 @@ def build_config(candidate: Candidate, seed: int, regime: Regime,
   if quick:
     config.robustness.num_examples = 32
     config.robustness.attacks = tuple(
-        dict(a, steps=2) if a["name"] == "pgd" else dict(a)
+        dict(a, steps=2) if a["name"] in ("pgd", "spsa") else dict(a)
         for a in config.robustness.attacks)
     if config.robustness.get("corruptions") is not None:
-      config.robustness.corruptions["severities"] = (3,)
+      config.robustness.corruptions["severities"] = (1, 5)
   config.data.analysis_tsne_tokens = 0  # No t-SNE figure (3 s a layer).
   return config
 

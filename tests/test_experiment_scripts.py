@@ -44,7 +44,8 @@ def test_the_study_scripts_are_found():
   assert {"acmoe_vmoe", "routers_vmoe", "momentum_extensions",
           "momentum_negative_complex", "symphony_experts",
           "momentum_layout"} <= set(NAMES)
-  assert PER_IMAGE == ["momentum_depth", "momentum_layout"]
+  assert PER_IMAGE == ["acmoe_paired", "momentum_depth", "momentum_layout",
+                       "momentum_variants", "symphony_paired"]
 
 
 @pytest.mark.parametrize("name", NAMES)

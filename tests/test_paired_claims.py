@@ -148,3 +148,70 @@ def test_a_contrast_judges_the_difference_of_two_gains():
       100 * (gain_hi - gain_lo).mean())
   assert records[0]["verdict"] == "reproduced"
   assert "gain of hi_b over hi_a" in lines[-1]
+
+
+def test_new_metric_names_read_their_evaluations():
+  assert pc.eval_names("pgd_small", "default", []) == [
+      "adversarial/pgd/eps=0.01"]
+  assert pc.eval_names("spsa:0.03", "default", []) == [
+      "adversarial/spsa/eps=0.03"]
+  assert pc.eval_names("corr5:fog", "default", []) == ["corruption/fog/s5"]
+  assert pc.image_metric("corr5:fog").better == +1
+  assert pc.is_image_metric("spsa:0.01") and not pc.is_image_metric("load")
+
+
+def test_a_contrast_across_metrics_is_the_gain_at_one_minus_the_other():
+  """Fig. 3's "the gain grows with eps": per seed and image, (b - a) at
+  the high metric minus (b - a) at the low one, by hand."""
+  a_lo = np.array([[1, 1, 0, 1], [1, 0, 1, 1]], float)
+  b_lo = np.array([[1, 1, 1, 1], [1, 1, 1, 1]], float)
+  a_hi = np.array([[0, 0, 0, 1], [0, 0, 1, 0]], float)
+  b_hi = np.array([[1, 1, 0, 1], [1, 1, 1, 1]], float)
+  outcomes = {("a", "lo"): a_lo, ("b", "lo"): b_lo, ("a", "hi"): a_hi,
+              ("b", "hi"): b_hi}
+  c = pc.Contrast("src", "grows", ("a", "b"), ("a", "b"), "hi",
+                  low_metric="lo")
+  low, high = pc.claim_arms(outcomes, c)
+  np.testing.assert_array_equal(low, b_lo - a_lo)
+  np.testing.assert_array_equal(high, b_hi - a_hi)
+  assert pc.claim_needs(c) == {("a", "hi"), ("b", "hi"), ("a", "lo"),
+                               ("b", "lo")}
+  assert c.baseline == "b - a (lo)" and c.candidate == "b - a (hi)"
+
+
+def test_a_candidate_may_lack_a_metric_no_claim_reads(tmp_path):
+  one = np.array([1, 0, 1], bool)
+  _run(tmp_path / "a_0", one, {1: one})
+  _run(tmp_path / "b_0", one, {1: one})
+  paths = {"a": [str(tmp_path / "a_0")], "b": [str(tmp_path / "b_0")]}
+  claim = study.Claim("src", "b beats a", "a", "b", "clean")
+  got = pc.candidate_outcomes(paths, ["clean", "pgd"], [claim], "default")
+  assert set(got) == {("a", "clean"), ("b", "clean")}  # No PGD: skipped.
+  needs_pgd = study.Claim("src", "b beats a", "a", "b", "pgd")
+  with pytest.raises(KeyError):
+    pc.candidate_outcomes(paths, ["clean", "pgd"], [needs_pgd], "default")
+
+
+def test_a_block_with_claims_only_one_regime_judged(tmp_path):
+  """claims_paired.render: one row per claim; the regime that did not
+  judge it reads "not run", the others' numbers and verdict stand."""
+  import json
+
+  import claims_paired
+
+  def record(statement, verdict):
+    return dict(source="src", statement=statement, baseline="a",
+                candidate="b", metric="load", seed_diffs=[1.0, 2.0, 3.0],
+                effect=2.0, se=0.5, df=2, baseline_value=1.0, mdd=2.7,
+                expected=None, verdict=verdict)
+  data = {"claims": {"default": [record("x", "reproduced")],
+                     "low_data": [record("y", "contradicted"),
+                                  record("x", "undecidable here")]}}
+  with open(tmp_path / "blk.json", "w") as f:
+    json.dump(data, f)
+  lines = claims_paired.render("blk", str(tmp_path))
+  assert len(lines) == 2 + 2
+  assert lines[2].startswith("| src | x |") and lines[2].endswith(
+      "| reproduced / undecidable here |")
+  assert "| not run |" in lines[3] and lines[3].endswith("| contradicted |")
+  assert "over seeds: se 0.50, df 2" in lines[2]  # A model-level value.

@@ -63,6 +63,10 @@ def test_the_verdicts():
   assert ps.judge(weak, +1, margin=2.0) == "undecidable here"
   far = ps.ImagePaired(9.0, (9.0, 9.1, 8.9), 0.5, 2.0, 1000)
   assert ps.judge(far, +1, margin=2.0) == "contradicted"
+  # Both arms at a floor (every image wrong in both): nothing measured.
+  floor = ps.paired_images(np.zeros((3, 50)), np.zeros((3, 50)))
+  assert floor.se == 0 and ps.judge(floor, +1, expected=2.0) == (
+      "undecidable here")
 
 
 def test_the_papers_effect_on_our_scale():

@@ -226,7 +226,7 @@ def test_quick_config_shrinks_the_evaluation_it_has():
                               quick=True)
   assert config.robustness.num_examples == 32
   assert [a.get("steps") for a in config.robustness.attacks] == [None, 2]
-  assert tuple(config.robustness.corruptions["severities"]) == (3,)
+  assert tuple(config.robustness.corruptions["severities"]) == (1, 5)
   assert (config.data.train_examples, config.train.total_steps) == (100, 20)
   # A candidate without the corruption suite keeps it off.
   config = study.build_config(study.Candidate(
@@ -249,7 +249,7 @@ def test_plot_writes_a_png(tmp_path):
 def test_quick_report_header_states_the_quick_evaluation(tmp_path,
                                                          monkeypatch):
   """A quick report says what its runs evaluated (32 images, PGD-2,
-  severity 3), not the full budgets of `EVALUATION`."""
+  severities 1 and 5), not the full budgets of `EVALUATION`."""
   seen = []
 
   def fake_grid(candidates, regimes, seeds, root, quick, jobs=1):
@@ -265,7 +265,7 @@ def test_quick_report_header_states_the_quick_evaluation(tmp_path,
       ["clean"], args, "t", quick_keys=("b",))
   assert seen == [True]
   assert ("Quick-mode evaluation: FGSM / PGD-2 at eps 0.05 and the "
-          "corruption suite (severities 3) on 32 test images, clean "
+          "corruption suite (severities 1, 5) on 32 test images, clean "
           "accuracy on the whole test split.") in text
   assert study.EVALUATION not in text and "500" not in text
 

@@ -127,9 +127,9 @@ class VisionTransformerMoe(nn.Module):
   `auxiliary_loss` (sum over MoE layers, 0 for a dense model) and, per MoE
   block i, `metrics["layer_i"]` with that layer's losses, `expert_load [E]`,
   `expert_usage [E]` and `drop_rate`. Each MoE layer sows its `expert_mask`
-  `[B, T, E]`, `selected_experts` `[B, T, K]` and its input `moe_input`
-  `[B, T, D]` (after the block's LayerNorm) into the "intermediates"
-  collection.
+  `[B, T, E]`, `selected_experts` `[B, T, K]`, its input `moe_input`
+  `[B, T, D]` (after the block's LayerNorm) and its output `moe_output`
+  `[B, T, D]` into the "intermediates" collection.
   """
   num_classes: int
   patch_size: tuple[int, int] = (4, 4)

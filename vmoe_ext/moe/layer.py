@@ -270,6 +270,7 @@ class MoeLayer(nn.Module):
       self.sow("intermediates", "expert_mask", mask.reshape(b, t, e))
       self.sow("intermediates", "selected_experts", assignment.expert_indices)
       self.sow("intermediates", "moe_input", x)
+      self.sow("intermediates", "moe_output", y)
     return (y, metrics,
             LayerRecord(assignment, out.forward, ctx.block,
                         num_experts=e, width=d))

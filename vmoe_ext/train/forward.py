@@ -58,7 +58,8 @@ class ForwardOutput(NamedTuple):
     metrics: the model's metrics (`auxiliary_loss`, `layer_i/...`).
     moe: `{block name: {name: value}}` of what every MoE layer sowed
       (`expert_mask [B, T, E]`, `selected_experts [B, T, K]`,
-      `moe_input [B, T, D]`); empty unless `intermediates=True`.
+      `moe_input [B, T, D]`, `moe_output [B, T, D]`); empty unless
+      `intermediates=True`.
   """
   logits: Array
   metrics: Mapping[str, Any]
