@@ -156,22 +156,12 @@ _E16, _SE16 = "E 16, top-2", "Symphony, E 16, top-2"
 _E32, _SE32 = "E 32, top-4", "Symphony, E 32, top-4"
 _SYD = "Symphony (beta 0.9, zero init, dense)"
 
+# Table 8 (clean, IN-C), Table 1 (attacked) and Fig. 5 at E = 4: judged per
+# image in `symphony_paired` (CLAIMS.md's symphony_paired block).
 SYMPHONY = (
-    Row("Table 8", "Swin-MoE, IN-1K 75.39 → 75.57", _R, _V, _SY, "clean", +1,
-        numbers=(75.39, 75.57, "accuracy")),
-    Row("Table 8", "Swin-MoE, IN-C mCE 74.28 → 73.56", _R, _V, _SY, "mce",
-        -1, numbers=(74.28, 73.56, "error")),
-    Row("Table 1 (LM; analogue)", f"{_T1} 44.19 → 42.79", _R, _V, _SY, "pgd",
-        +1, numbers=(44.19, 42.79, "ppl"), metric_label=SWAP_PGD),
-    Row("Table 1 (LM; analogue)", f"{_T1} 44.19 → 42.79", _R, _V, _SY,
-        "fgsm", +1, numbers=(44.19, 42.79, "ppl"), metric_label=SWAP_FGSM),
     Row("§4 aim (ii); Proposition 1 (ii) (analogue)",
         "the router is stabler under corrupted inputs", _R, _V, _SY,
         "routing_change", -1),
-    Row("Fig. 5 (LM; analogue), E = 4",
-        "more uniform expert selection (the figure is at 16 experts top-2)",
-        _R, _V, _SY,
-        "load", -1),
     Row("Fig. 5 (LM; analogue), E = 16 (the paper's count)",
         "more uniform expert selection (16 experts top-2)",
         "symphony_experts", _E16, _SE16, "load", -1),

@@ -43,7 +43,8 @@ from vmoe_ext.evaluate.expert_norms import expert_norms
 _ALL = {c.key: c for c in LAYOUT_CANDIDATES + DEPTH_CANDIDATES}
 # Per regime, the models measured (the depth study runs in low data).
 MODELS = {"default": ("noisy_topk", "momentum_mu0", "momentum_heavy_ball"),
-          "low_data": ("momentum_mu0", "momentum_heavy_ball", "deep4_mu0",
+          "low_data": ("noisy_topk", "momentum_mu0", "momentum_heavy_ball",
+                       "deep4_mu0",
                        "deep4_heavy_ball", "deep8_mu0", "deep8_heavy_ball")}
 QUICK = ("momentum_mu0", "momentum_heavy_ball")
 _F3 = ("MomentumSMoE Fig. 3 (LM: the (S)MoE output norm falls over the "
