@@ -91,8 +91,9 @@ def rederive(name: str, claims: Sequence, results: str = RESULTS
   """Every regime's claim records recomputed from the committed per-image
   outcomes and per-seed values (the study's `claims`, in its order)."""
   data = load(name, results)
-  images = paired_claims.read_images(
-      os.path.join(results, f"{name}_images.npz"))
+  path = os.path.join(results, f"{name}_images.npz")
+  images = (paired_claims.read_images(path) if os.path.exists(path)
+            else {r: {} for r in data["claims"]})  # Model-level values only.
   out = {}
   for regime, records in data["claims"].items():
     outcomes = dict(images[regime])

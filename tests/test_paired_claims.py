@@ -107,7 +107,8 @@ def test_claim_rows_and_the_committed_files_round_trip(tmp_path):
 
 @pytest.mark.parametrize("name, regimes", [
     ("momentum_layout", {"default", "low_data"}),
-    ("momentum_depth", {"low_data"})])
+    ("momentum_depth", {"low_data"}),
+    ("symphony_paired", {"default", "low_data"})])
 def test_the_committed_per_image_claims_rederive_from_their_outcomes(
     name, regimes):
   # experiments/results/NAME.json and NAME_images.npz: every claim's numbers
@@ -215,3 +216,20 @@ def test_a_block_with_claims_only_one_regime_judged(tmp_path):
       "| reproduced / undecidable here |")
   assert "| not run |" in lines[3] and lines[3].endswith("| contradicted |")
   assert "over seeds: se 0.50, df 2" in lines[2]  # A model-level value.
+
+
+def test_the_committed_expert_norm_claims_rederive_from_their_values():
+  # momentum_norms.py's claims are model-level values per seed (in the
+  # JSON's per_seed); each regime judges the claims on its models.
+  import claims_paired
+  import momentum_norms
+  committed = claims_paired.load("momentum_norms")
+  assert set(committed["claims"]) == {"default", "low_data"}
+  for regime, records in committed["claims"].items():
+    want = momentum_norms.claims_for(momentum_norms.MODELS[regime])
+    again = claims_paired.rederive("momentum_norms", want)[regime]
+    assert len(again) == len(records) == len(want)
+    for new, old in zip(again, records):
+      assert new["verdict"] == old["verdict"], (regime, old["statement"])
+      assert new["effect"] == pytest.approx(old["effect"], rel=1e-12)
+      assert new["se"] == pytest.approx(old["se"], rel=1e-12)
