@@ -388,7 +388,7 @@ def run_paired_experiment(title: str, intro: Sequence[str],
   claims = [c for c in claims if claim_keys(c) <= keys]
   for regime in regimes:  # A per-seed study's run in ROOT has no images.
     for c in candidates:
-      for s in args.seeds:
+      for s in args.seeds if c.runs_in(regime.name) else ():
         path = study.run_dir(args.root, regime, c, s)
         if study.finished(path) and not os.path.exists(
             os.path.join(path, per_example.FILENAME)):
@@ -411,21 +411,24 @@ def run_paired_experiment(title: str, intro: Sequence[str],
               if args.quick else ""), ""]
   all_outcomes, records, per_seed = {}, {}, {}
   for regime in regimes:
+    # The candidates this regime runs, and the claims on them.
+    here = [c for c in candidates if c.runs_in(regime.name)]
+    judged = [c for c in claims if claim_keys(c) <= {h.key for h in here}]
     paths = {c.key: [study.run_dir(args.root, regime, c, s)
-                     for s in args.seeds] for c in candidates}
+                     for s in args.seeds] for c in here}
     # The table's metrics and every other one a claim reads.
-    image = list(metrics) + sorted(claim_metrics(claims) - set(metrics)
+    image = list(metrics) + sorted(claim_metrics(judged) - set(metrics)
                                    - set(record_metrics))
-    outcomes = candidate_outcomes(paths, image, claims, regime.name)
+    outcomes = candidate_outcomes(paths, image, judged, regime.name)
     outcomes.update({(c.key, m): np.asarray(study.values(
-        runs, regime.name, c.key, m, args.seeds)) for c in candidates
+        runs, regime.name, c.key, m, args.seeds)) for c in here
                      for m in record_metrics})
     all_outcomes[regime.name] = outcomes
     table = ["| model | " + " | ".join(
         [image_metric(m).label for m in metrics]
         + [study.METRICS[m].label for m in record_metrics]) + " |",
              "|---|" + "---|" * (len(metrics) + len(record_metrics))]
-    for c in candidates:
+    for c in here:
       cells = ["{:.2f} ± {:.2f}".format(*mean_std(
           list(100 * outcomes[c.key, m].mean(1))))
                if (c.key, m) in outcomes else "–" for m in metrics]
@@ -438,16 +441,16 @@ def run_paired_experiment(title: str, intro: Sequence[str],
              if (c.key, m) in outcomes},
           **{m: study.values(runs, regime.name, c.key, m, args.seeds)
              for m in record_metrics}}
-    claim_lines, rows = claims_rows(outcomes, regime.name, claims, labels)
+    claim_lines, rows = claims_rows(outcomes, regime.name, judged, labels)
     records[regime.name] = rows
-    png = study.plot(runs, regime.name, candidates, list(record_metrics),
+    png = study.plot(runs, regime.name, here, list(record_metrics),
                      args.seeds, os.path.join(args.root,
                                               f"{name}_{regime.name}.png"))
     lines += [f"## Regime `{regime.name}`: {regime.description}", "",
               *table, "", "Claims:", "", *claim_lines, "",
               f"![{regime.name}]({os.path.basename(png)})", "",
               "Per seed (points):", ""]
-    for c in candidates:
+    for c in here:
       for i, s in enumerate(args.seeds):
         lines.append(f"- {c.label}, seed {s}: " + ", ".join(
             f"{m} {per_seed[f'{regime.name}/{c.key}'][m][i]:.3f}"

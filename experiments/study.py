@@ -141,6 +141,11 @@ class Candidate:
   # evaluation: its finished runs are evaluated again instead of retrained
   # (`evaluate_only`).
   trained_as: Optional["Candidate"] = None
+  # The regimes it runs in (None: every regime the experiment runs).
+  regimes: Optional[tuple[str, ...]] = None
+
+  def runs_in(self, regime: str) -> bool:
+    return self.regimes is None or regime in self.regimes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,7 +290,8 @@ def run_grid(candidates: Sequence[Candidate], regimes: Sequence[Regime],
   its WORKDIR.log; on 2 cores two at a time give ~1.35x the throughput
   of one); `per_image`: with the paired evaluation (`build_config`)."""
   grid = [(regime, candidate, seed) for regime in regimes
-          for candidate in candidates for seed in seeds]
+          for candidate in candidates if candidate.runs_in(regime.name)
+          for seed in seeds]
   seed_evaluate_only(grid, root, quick, per_image)
   todo = [(c, s, r, quick, run_dir(root, r, c, s)) for r, c, s in grid
           if not finished(run_dir(root, r, c, s))]

@@ -292,3 +292,21 @@ def test_stability_region_out_is_a_directory(tmp_path, capsys):
                                                       "stability_region")
   with pytest.raises(SystemExit):  # A file is no --out.
     stability_region.main(["--out", path])
+
+
+def test_a_candidate_runs_only_in_its_regimes(tmp_path, monkeypatch):
+  """`Candidate.regimes`: the grid trains (and returns) a candidate only in
+  the regimes it names; the others run everywhere."""
+  trained = []
+  monkeypatch.setattr(study, "train_run", lambda c, s, r, q, w, **_: (
+      trained.append((r.name, c.key, s)), os.makedirs(w, exist_ok=True),
+      open(os.path.join(w, "metrics.jsonl"), "w").close()))
+  both = study.Candidate("a", "A", "default")
+  low = study.Candidate("b", "B", "default", regimes=("low_data",))
+  runs = study.run_grid([both, low], list(study.QUICK_REGIMES.values()),
+                        [0], str(tmp_path), quick=True)
+  assert sorted(trained) == [("default", "a", 0), ("low_data", "a", 0),
+                             ("low_data", "b", 0)]
+  assert sorted(runs) == sorted(trained)
+  assert low.runs_in("low_data") and not low.runs_in("default")
+  assert both.runs_in("default")
