@@ -17,10 +17,13 @@ image's outcome kept (ROOT/{setting}_s{seed}/per_image.npz):
   model's, 5.79 vs 5.27 at 75% on WikiText-2);
 * Fig. 4, the calibration set at S2A2E16: 16, 64, 256 (the default) and
   1,024 training images (the paper: 0 -> 4,096 samples, PPL 62.30 -> 12.21,
-  most of it by 64 and little after 1,024), with the carving seconds.
+  most of it by 64 and little after 1,024), with the carving seconds;
+* Table I, training-free: CMoE against the random split (LLaMA-MoE's
+  neuron split with a fresh router) at S1A1E8 / S2A2E8 / S3A3E8 (25 / 50 /
+  75% of the hidden units active), `carving_vs_random.py`'s settings.
 
 Fig. 5c (load balancing) is about the balancing bias, which only moves
-while fine-tuning; it is not run here. About 15 minutes on the 2-core CPU
+while fine-tuning; it is not run here. About 20 minutes on the 2-core CPU
 (the dense models included); `--quick`: 1 seed, a 300-step dense model,
 two carves, 64 test images.
 """
@@ -43,26 +46,36 @@ from vmoe_ext.app.context import RunContext
 from vmoe_ext.train.config_files import load_config
 from vmoe_ext.train.forward import forward_pass
 
+TABLE1 = ("S1A1E8", "S2A2E8", "S3A3E8")
 SHARED = ("S1A7E32", "S3A5E32", "S5A3E32", "S7A1E32")
 ACTIVATION = ("S2A2E16", "S4A4E16", "S6A6E16")
 CALIBRATION = (16, 64, 256, 1024)
 DEFAULT_CALIBRATION = 256
 
 
-def setting_name(size: str, calibration: int) -> str:
+def setting_name(size: str, calibration: int, method: str = "cmoe") -> str:
   return size + ("" if calibration == DEFAULT_CALIBRATION
-                 else f"_n{calibration}")
+                 else f"_n{calibration}") + (
+                     "" if method == "cmoe" else f"_{method}")
 
 
+# (size, calibration images, method), the first two the quick mode's.
 SETTINGS = tuple(dict.fromkeys(
-    [(s, DEFAULT_CALIBRATION) for s in SHARED + ACTIVATION]
-    + [("S2A2E16", n) for n in CALIBRATION]))
+    [(s, DEFAULT_CALIBRATION, "cmoe") for s in SHARED + ACTIVATION]
+    + [("S2A2E16", n, "cmoe") for n in CALIBRATION]
+    + [(s, DEFAULT_CALIBRATION, m) for s in TABLE1
+       for m in ("cmoe", "random")]))
 
 _F5A = "CMoE Fig. 5a (LLaMA-2-7B, 8 of 32 experts active: PPL 14.48 → 11.93)"
 _F5B = "CMoE Fig. 5b (16 experts, shared : routed 1 : 1)"
 _F4 = ("CMoE Fig. 4 (S2A2E16: PPL 62.30 with no data; 64 samples cut it by "
        "63%, little gain after 1,024)")
+_T1 = ("CMoE Table I (LLaMA-2-7B, training-free, 25% active: CMoE S1A1E8 "
+       "PPL 60.86, the random split NaN)")
 CLAIMS = (
+    *(Claim(_T1, f"CMoE's carving beats the random split training-free "
+            f"({ratio} active)", f"{size}_random", size, "clean")
+      for size, ratio in zip(TABLE1, ("25%", "50%", "75%"))),
     Claim(_F5A, "more shared experts (at the same activation) improve the "
           "carved model", "S1A7E32", "S7A1E32", "clean",
           paper=(14.48, 11.93, "ppl")),
@@ -83,18 +96,22 @@ CLAIMS = (
 PER_IMAGE = "per_image.npz"
 
 
-def carve(size: str, calibration: int, seed: int, dense_dir: str,
-          workdir: str) -> float:
+def carve(size: str, calibration: int, method: str, seed: int,
+          dense_dir: str, workdir: str) -> float:
   """Carves the dense run (reused when finished); the carving seconds."""
   if final_test(workdir) is None:
     shutil.rmtree(workdir, ignore_errors=True)  # An interrupted carve.
-    config = load_config("carve", size)
+    config = load_config("carve", size + _flag(method))
     config.seed = config.carve.seed = seed
     config.carve.num_calibration = calibration
     # Absolute: a relative one fails in orbax's metadata read (library bug).
     config.carve.checkpoint_dir = os.path.abspath(dense_dir)
     carve_checkpoint(config, workdir)
   return float(final_test(workdir)["carve_seconds"])
+
+
+def _flag(method: str) -> str:
+  return "" if method == "cmoe" else f",{method}"
 
 
 def correct_per_image(config, workdir: str,
@@ -144,26 +161,28 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     dense(seed, dense_dir, 300 if args.quick else None)
     outcomes.setdefault(("dense", "clean"), []).append(correct_per_image(
         load_config("vit_dense", "plain"), dense_dir, count))
-    for size, calibration in settings:
-      key = setting_name(size, calibration)
+    for size, calibration, method in settings:
+      key = setting_name(size, calibration, method)
       workdir = os.path.join(root, f"{key}_s{seed}")
       seconds.setdefault(key, []).append(
-          carve(size, calibration, seed, dense_dir, workdir))
+          carve(size, calibration, method, seed, dense_dir, workdir))
       outcomes.setdefault((key, "clean"), []).append(correct_per_image(
-          load_config("carve", f"{size},evaluate"), workdir, count))
+          load_config("carve", f"{size}{_flag(method)},evaluate"), workdir,
+          count))
   outcomes = {k: np.stack(v).astype(np.float64) for k, v in outcomes.items()}
   labels = {k: k for k, _ in outcomes}
   lines = ["# CMoE ablations, training-free, judged per image (dense ViT, "
            "MNIST-5k)", "", __doc__.split("\n\n")[2].replace("\n", " "), "",
            f"Seeds {seeds}." + (" QUICK MODE: the numbers mean nothing."
                                 if args.quick else ""), "",
-           "| setting | calibration images | training-free acc % | "
-           "carving s |", "|---|---|---|---|",
-           "| dense | – | {:.2f} ± {:.2f} | – |".format(*mean_std(
+           "| setting | method | calibration images | training-free acc % "
+           "| carving s |", "|---|---|---|---|---|",
+           "| dense | – | – | {:.2f} ± {:.2f} | – |".format(*mean_std(
                list(100 * outcomes["dense", "clean"].mean(1))))]
-  for size, calibration in settings:
-    key = setting_name(size, calibration)
-    lines.append(f"| {size} | {calibration} | " + "{:.2f} ± {:.2f}".format(
+  for size, calibration, method in settings:
+    key = setting_name(size, calibration, method)
+    lines.append(f"| {size} | {method} | {calibration} | "
+                 + "{:.2f} ± {:.2f}".format(
         *mean_std(list(100 * outcomes[key, "clean"].mean(1)))) + " | "
         + "{:.1f} ± {:.1f}".format(*mean_std(seconds[key])) + " |")
   claim_lines, records = claims_rows(outcomes, "default", claims, labels)
