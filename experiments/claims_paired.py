@@ -86,24 +86,33 @@ def render(name: str, results: str = RESULTS) -> list[str]:
   return lines
 
 
+def regime_outcomes(name: str, regime: str, results: str = RESULTS
+                    ) -> dict[tuple[str, str], np.ndarray]:
+  """`{(key, metric): outcomes}` of one regime from the committed files:
+  `[S, I]` per-image outcomes (NAME_images.npz, when the study has any) and
+  `[S]` run-level values (NAME.json's `per_seed`)."""
+  data = load(name, results)
+  path = os.path.join(results, f"{name}_images.npz")
+  outcomes = (dict(paired_claims.read_images(path).get(regime, {}))
+              if os.path.exists(path) else {})
+  for key_regime, values in data["per_seed"].items():
+    r, key = key_regime.split("/")
+    if r != regime:
+      continue
+    for metric, seeds in values.items():
+      if (key, metric) not in outcomes:  # Run-level metrics.
+        outcomes[key, metric] = np.asarray(seeds, np.float64)
+  return outcomes
+
+
 def rederive(name: str, claims: Sequence, results: str = RESULTS
              ) -> dict[str, list[dict]]:
   """Every regime's claim records recomputed from the committed per-image
-  outcomes and per-seed values (the study's `claims`, in its order)."""
-  data = load(name, results)
-  path = os.path.join(results, f"{name}_images.npz")
-  images = (paired_claims.read_images(path) if os.path.exists(path)
-            else {r: {} for r in data["claims"]})  # Model-level values only.
+  outcomes and per-seed values (the study's `claims`, in its order; those
+  whose outcomes the regime has)."""
   out = {}
-  for regime, records in data["claims"].items():
-    outcomes = dict(images[regime])
-    for key_regime, values in data["per_seed"].items():
-      r, key = key_regime.split("/")
-      if r != regime:
-        continue
-      for metric, seeds in values.items():
-        if (key, metric) not in outcomes:  # Run-level metrics.
-          outcomes[key, metric] = np.asarray(seeds, np.float64)
+  for regime in load(name, results)["claims"]:
+    outcomes = regime_outcomes(name, regime, results)
     judged = [c for c in claims
               if paired_claims.claim_needs(c) <= set(outcomes)]
     labels = {k: k for c in judged for k in paired_claims.claim_keys(c)}
