@@ -22,8 +22,8 @@ import paired_claims
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 # CLAIMS.md block -> the experiment whose committed results fill it.
-PAIRED_BLOCKS = ("symphony_paired", "momentum_layout", "momentum_depth",
-                 "momentum_norms")
+PAIRED_BLOCKS = ("symphony_paired", "momentum_layout", "momentum_variants",
+                 "momentum_depth", "momentum_norms")
 REGIME_ORDER = ("default", "low_data")
 
 

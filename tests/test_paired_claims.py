@@ -110,7 +110,7 @@ def test_claim_rows_and_the_committed_files_round_trip(tmp_path):
     ("momentum_depth", {"low_data"}),
     ("symphony_paired", {"default", "low_data"}),
     ("acmoe_paired", {"default"}),
-    ("momentum_variants", {"default", "low_data"}),
+    ("momentum_variants", {"low_data"}),
     ("cmoe_ablations", {"default"})])
 def test_the_committed_per_image_claims_rederive_from_their_outcomes(
     name, regimes):
