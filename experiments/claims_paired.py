@@ -22,7 +22,7 @@ import paired_claims
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 # CLAIMS.md block -> the experiment whose committed results fill it.
-PAIRED_BLOCKS = ("symphony_paired", "momentum_layout", "momentum_variants",
+PAIRED_BLOCKS = ("acmoe_paired", "symphony_paired", "momentum_layout", "momentum_variants",
                  "momentum_depth", "momentum_norms")
 REGIME_ORDER = ("default", "low_data")
 

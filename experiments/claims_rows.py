@@ -57,13 +57,10 @@ _V = "V-MoE noisy top-2"
 _AC = "ACMoE (paper preset)"
 _SW = "Swin-MoE-S top-2, IN-1K"
 
+# Table 4 with the paper preset (top-1 and top-2, with SPSA), Fig. 3 and
+# Table 20 over top-p: judged per image in `acmoe_paired` (CLAIMS.md's
+# acmoe_paired block).
 ACMOE = (
-    Row("Table 4", f"{_SW} clean 76.10 → 76.31", _A, _V, _AC, "clean", +1,
-        numbers=(76.10, 76.31, "accuracy")),
-    Row("Table 4", f"{_SW}, PGD at eps 1/255, 20 steps: 40.85 → 43.74",
-        _A, _V, _AC, "pgd", +1, numbers=(40.85, 43.74, "accuracy")),
-    Row("Table 4", f"{_SW}, FGSM at eps 1/255: 54.70 → 55.78", _A, _V, _AC,
-        "fgsm", +1, numbers=(54.70, 55.78, "accuracy")),
     Row("Table 4, the authors' Swin code (`swin` preset)",
         f"{_SW} clean 76.10 → 76.31", _A, _V, "ACMoE (swin preset)", "clean",
         +1, numbers=(76.10, 76.31, "accuracy")),
@@ -92,7 +89,7 @@ ACMOE = (
         _AC, "routing_change", -1),
     Row("Table 20 (LM; analogue): two baselines",
         "Switch-medium, fixed top-p over fixed top-k routing, test PPL "
-        "35.48 → 35.20 (ACMoE over top-p, 35.20 → 34.14, not run)", _R, _V,
+        "35.48 → 35.20 (ACMoE over top-p: the acmoe_paired block)", _R, _V,
         "top-p (p 0.2)", "clean", +1, numbers=(35.48, 35.20, "ppl")),
     Row("(not a seed-paper claim)",
         "cosine routing (XMoE) over noisy top-2; ACMoE's Table 3 lists both "
