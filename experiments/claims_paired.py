@@ -23,7 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 # CLAIMS.md block -> the experiment whose committed results fill it.
 PAIRED_BLOCKS = ("acmoe_paired", "symphony_paired", "momentum_layout", "momentum_variants",
-                 "momentum_depth", "momentum_norms")
+                 "momentum_depth", "momentum_norms", "cmoe_ablations")
 REGIME_ORDER = ("default", "low_data")
 
 
