@@ -34,6 +34,7 @@ from paired_stats import judge_claim, paired_seeds
 from verdicts import sampling_se
 from vmoe_ext.app.schema import validate_config
 from vmoe_ext.app.train import train_and_evaluate
+from vmoe_ext.errors import require
 from vmoe_ext.evaluate.final import after_training_hook
 from vmoe_ext.reporting import figures
 from vmoe_ext.reporting.writers import read_metrics
@@ -143,6 +144,9 @@ class Candidate:
   trained_as: Optional["Candidate"] = None
   # The regimes it runs in (None: every regime the experiment runs).
   regimes: Optional[tuple[str, ...]] = None
+  # Keep this many checkpoints evenly spaced along training (None: the
+  # config's checkpointing), e.g. to measure a quantity over training.
+  checkpoints_along: Optional[int] = None
 
   def runs_in(self, regime: str) -> bool:
     return self.regimes is None or regime in self.regimes
@@ -215,6 +219,13 @@ def build_config(candidate: Candidate, seed: int, regime: Regime,
     config.train.checkpoint_every = regime.total_steps
     config.train.log_every = max(1, min(config.train.log_every,
                                         regime.total_steps // 10))
+  if candidate.checkpoints_along is not None:
+    total = config.train.total_steps
+    require(total % candidate.checkpoints_along == 0,
+            "Candidate.checkpoints_along", f"{candidate.checkpoints_along} "
+            f"does not divide the {total} training steps")
+    config.train.checkpoint_every = total // candidate.checkpoints_along
+    config.train.keep_checkpoints = candidate.checkpoints_along
   if quick:
     config.robustness.num_examples = 32
     config.robustness.attacks = tuple(

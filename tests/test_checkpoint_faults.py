@@ -348,6 +348,19 @@ def test_evaluation_mismatch_names_the_full_field(tmp_path):
   assert "new --workdir" not in message
 
 
+def test_variables_of_a_chosen_step(tmp_path):
+  """A checkpoint kept along training is read by its step (the newest by
+  default); a step that is not on disk gives None."""
+  _save_steps(tmp_path, (1, 2, 3))
+  with _manager(tmp_path, purpose="evaluate") as mgr:
+    for step in (2, 1, None):
+      entries, got = mgr.restore_variables(
+          {"params": _zeros()["params"], "step": _zeros()["step"]}, step)
+      assert got == (3 if step is None else step)
+      _assert_state(entries, got)
+    assert mgr.restore_variables({"params": _zeros()["params"]}, 4) is None
+
+
 def test_evaluation_ignores_the_optimizer_and_resume_does_not(tmp_path):
   trained = config_fingerprint(_config(), PARAMS)
   with _manager(tmp_path, config_fingerprint=trained) as mgr:

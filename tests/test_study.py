@@ -18,6 +18,7 @@ import paired_stats  # noqa: E402  pylint: disable=g-import-not-at-top
 import verdicts  # noqa: E402  pylint: disable=g-import-not-at-top
 
 from vmoe_ext.app.schema import validate_config  # noqa: E402
+from vmoe_ext.errors import ConfigError  # noqa: E402
 
 
 T2 = 4.302653  # t_0.975 at 2 degrees of freedom (3 seeds).
@@ -218,6 +219,20 @@ def test_build_config_applies_candidate_and_regime():
                                study.REGIMES["default"], quick=False)
   assert default.train.total_steps == 2500
   assert default.data.get("train_examples") is None
+
+
+def test_checkpoints_kept_evenly_along_training():
+  along = study.Candidate("a", "a", "default", checkpoints_along=10)
+  for regime, every in (("low_data", 60), ("default", 250)):
+    config = study.build_config(along, 0, study.REGIMES[regime], quick=False)
+    assert (config.train.checkpoint_every,
+            config.train.keep_checkpoints) == (every, 10)
+    validate_config(config)
+  with pytest.raises(ConfigError) as info:
+    study.build_config(study.Candidate("a", "a", "default",
+                                       checkpoints_along=7), 0,
+                       study.REGIMES["low_data"], quick=False)
+  assert info.value.field == "Candidate.checkpoints_along"
 
 
 def test_quick_config_shrinks_the_evaluation_it_has():

@@ -181,10 +181,12 @@ class RunContext:
     return (rows,) + shape
 
   def open_evaluation(self, source: Optional[str] = None, *,
-                      field: str = "robustness.checkpoint_dir") -> str:
+                      field: str = "robustness.checkpoint_dir",
+                      step: Optional[int] = None) -> str:
     """Params and collections to evaluate, no optimizer: the newest
-    checkpoint of the training workdir `source` (errors name `field`), or
-    with `source=None` the params the `init` section loads over a fresh
+    checkpoint of the training workdir `source` (or its checkpoint of
+    `step`, e.g. one kept along training; errors name `field`), or with
+    `source=None` the params the `init` section loads over a fresh
     initialisation. Returns a line saying what was loaded."""
     image_shape = self.eval_image_shape()
     validate_shapes(self.config, self.model, image_shape,
@@ -212,11 +214,12 @@ class RunContext:
         purpose="evaluate")
     try:
       restored = manager.restore_variables({"params": params,
-                                            "collections": variables})
+                                            "collections": variables}, step)
     finally:
       manager.close()
+    which = "checkpoint" if step is None else f"checkpoint of step {step}"
     require(restored is not None, field,
-            f"no checkpoint could be restored from {manager.directory!r}")
+            f"no {which} could be restored from {manager.directory!r}")
     entries, step = restored
     self.state = TrainState.for_evaluation(entries["params"],
                                            entries["collections"], step)

@@ -335,16 +335,19 @@ class CheckpointManager:
 
     return self._restore_newest(read_state)
 
-  def restore_variables(self, target: Mapping[str, Any]
+  def restore_variables(self, target: Mapping[str, Any],
+                        step: int | None = None
                         ) -> tuple[dict[str, Any], int] | None:
     """Restores only the entries of `target` from the newest readable
     checkpoint's state (e.g. `{"params": ..., "collections": ...}`, leaving
-    the optimizer state on disk).
+    the optimizer state on disk), or from the checkpoint of `step`.
 
     Args:
       target: top-level state entries to read, each a pytree of
         `jax.ShapeDtypeStruct`s or arrays (no typed PRNG keys) matching the
         saved entry; empty subtrees are returned as they are.
+      step: read this step's checkpoint only (None: the newest readable);
+        None is returned when no checkpoint of that step is on disk.
 
     Returns:
       `(entries, step)` with jax arrays, or None when there is no checkpoint.
@@ -366,13 +369,17 @@ class CheckpointManager:
       values = treedef.unflatten(treedef.flatten_up_to(restored))
       return {k: values.get(k, v) for k, v in target.items()}
 
-    restored = self._restore_newest(read_state)
+    restored = self._restore_newest(read_state, step)
     return None if restored is None else (restored[0], restored[2])
 
-  def _restore_newest(self, read_state: Callable[[int], Any]
+  def _restore_newest(self, read_state: Callable[[int], Any],
+                      only: int | None = None
                       ) -> tuple[Any, dict, int] | None:
-    """`(read_state(step), extra, step)` for the newest readable step."""
+    """`(read_state(step), extra, step)` for the newest readable step (of
+    the steps on disk, or of `[only]` where that step is on disk)."""
     steps = self.all_steps()
+    if only is not None:
+      steps = [s for s in steps if s == only]
     if not steps:
       return None
     failures = []
