@@ -110,7 +110,7 @@ def test_claim_rows_and_the_committed_files_round_trip(tmp_path):
     ("momentum_depth", {"low_data"}),
     ("symphony_paired", {"default", "low_data"}),
     ("acmoe_paired", {"default"}),
-    ("momentum_variants", {"low_data"}),
+    ("momentum_variants", {"default", "low_data"}),
     ("cmoe_ablations", {"default"})])
 def test_the_committed_per_image_claims_rederive_from_their_outcomes(
     name, regimes):
@@ -235,7 +235,8 @@ def test_the_committed_expert_norm_claims_rederive_from_their_values():
   committed = claims_paired.load("momentum_norms")
   assert set(committed["claims"]) == {"default", "low_data"}
   for regime, records in committed["claims"].items():
-    want = momentum_norms.claims_for(momentum_norms.MODELS[regime])
+    want = (momentum_norms.claims_for(momentum_norms.MODELS[regime])
+            + momentum_norms.along_claims(momentum_norms.ALONG.key))
     again = claims_paired.rederive("momentum_norms", want)[regime]
     assert len(again) == len(records) == len(want)
     for new, old in zip(again, records):
