@@ -12,6 +12,10 @@ tolerance:
 Soft routing (SoftMoE) is dense by construction: every slot is a weighted sum
 of all tokens, so both dispatcher names use the same weighted contraction.
 
+A third name, `dropless`, has no capacity and no `[E, G*C, D]` buffers: every
+choice of token-choice routing is computed, on expert-sorted rows
+(`vmoe_ext.moe.dropless`; the MoE layer runs it instead of a plan here).
+
 Plans and dispatchers are pytrees (static sizes are not leaves), so a
 `shard_map` or `jit` can take them as arguments. `dtype=jnp.bfloat16` rounds
 the *data* (the tokens before dispatch, the expert outputs before combine) to
@@ -46,12 +50,14 @@ from vmoe_ext.moe.routing import (ExpertChoiceRouting, Routing, SoftRouting,
                                   TokenChoiceRouting)
 
 Array = jax.Array
+DROPLESS = "dropless"
 # Config name (`moe.dispatcher`) -> the token-choice dispatcher it selects
 # (expert-choice routing has its own gather form; soft routing is dense under
-# both names).
+# both names; "dropless" is token choice only, without a plan here).
 DISPATCHERS = Registry("dispatcher", {
     "einsum": "vmoe_ext.moe.dispatch:EinsumDispatcher",
     "indices": "vmoe_ext.moe.dispatch:TokenGatherDispatcher",
+    DROPLESS: "vmoe_ext.moe.dropless:dropless_moe",
 }, field="moe.dispatcher")
 
 
@@ -362,7 +368,7 @@ def make_dispatch_plan(routing: Routing,
     group_size: S (expert-choice and soft routings carry it in their shapes).
     capacity: C for token choice (ignored by expert-choice and soft routing,
       whose capacity is fixed by the router's output shape).
-    kind: "einsum" or "indices".
+    kind: "einsum" or "indices" ("dropless" is an error: it has no plan).
     batch_priority: batch-priority routing (token choice only).
     dtype: None, or the dtype the data is rounded to around dispatch and
       combine (`RoundedDispatcher`; the weights stay float32). None and
@@ -370,6 +376,9 @@ def make_dispatch_plan(routing: Routing,
   """
   del group_size
   DISPATCHERS.check(kind, field="dispatcher")
+  require(kind != DROPLESS, "dispatcher",
+          f"{DROPLESS!r} has no fixed-capacity plan: run it with "
+          "vmoe_ext.moe.dropless.dropless_moe (the MoE layer does)")
   planner = PLANNERS.get(type(routing))
   if planner is None:
     raise TypeError(f"unsupported routing type {type(routing).__name__}")

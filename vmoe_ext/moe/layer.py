@@ -16,12 +16,15 @@ import jax.numpy as jnp
 
 from vmoe_ext.errors import require
 from vmoe_ext.moe.capacity import ROUNDINGS, compute_capacity
-from vmoe_ext.moe.dispatch import DISPATCHERS, make_dispatch_plan
-from vmoe_ext.moe.contract import (Assignment, LayerRecord, Metrics, Router,
-                                   RoutingContext, check_router_output)
+from vmoe_ext.moe.dispatch import DISPATCHERS, DROPLESS, make_dispatch_plan
+from vmoe_ext.moe.contract import (TOKEN_CHOICE, Assignment, LayerRecord,
+                                   Metrics, Router, RoutingContext,
+                                   check_router_output)
+from vmoe_ext.moe.dropless import DEFAULT_BLOCK_SIZE, dropless_moe
 from vmoe_ext.moe.expert_parallel import ExpertParallel, expert_parallel_moe
 from vmoe_ext.moe.experts import (INIT_MODES, DenseMlp, MlpExperts,
                                   check_activation)
+from vmoe_ext.moe.grouped import BACKENDS
 
 Array = jax.Array
 
@@ -63,7 +66,10 @@ class MoeLayer(nn.Module):
       product; at S=800, K=2, E=8, cf=1.1 it gives 224 where "exact" gives
       220) or "tutel" (microsoft/tutel, Swin-MoE: `K * int(cf * ceil(S/E))`);
       see `vmoe_ext.moe.capacity`.
-    dispatcher: "indices" (gather/scatter, fast) or "einsum" (one-hot masks).
+    dispatcher: "indices" (gather/scatter, fast), "einsum" (one-hot masks)
+      or "dropless" (token choice only: every choice computed, no capacity,
+      drop rate 0; the capacity fields and batch priority have no effect;
+      `vmoe_ext.moe.dropless`).
     batch_priority: fill expert buffers by decreasing top-1 gate (or the
       routing's `priority`, which `swin_moe` sets to tutel's max score).
     dropout_rate: dropout inside the experts.
@@ -100,6 +106,10 @@ class MoeLayer(nn.Module):
       mesh layout under which dispatch, experts and combine run in a
       `shard_map` with two all-to-alls (`vmoe_ext.moe.expert_parallel`);
       the results equal the single-device layer's.
+    dropless_backend: the "dropless" dispatcher's grouped matmul: "auto"
+      (`jax.lax.ragged_dot` on GPU/TPU, padded blocks on CPU), "ragged" or
+      "blocks" (`vmoe_ext.moe.grouped`).
+    dropless_block_size: rows per block of the "blocks" backend.
   """
   router: Router
   hidden_size: int
@@ -119,9 +129,23 @@ class MoeLayer(nn.Module):
   activation: str = "gelu"
   dtype: Any = jnp.float32
   expert_parallel: Optional[ExpertParallel] = None
+  dropless_backend: str = "auto"
+  dropless_block_size: int = DEFAULT_BLOCK_SIZE
 
   def __post_init__(self):
     DISPATCHERS.check(self.dispatcher)
+    if self.dispatcher == DROPLESS:
+      kind = self.router.kind
+      require(kind == TOKEN_CHOICE, "moe.dispatcher",
+              f"{DROPLESS!r} computes every choice of token-choice routing; "
+              f"router {type(self.router).__name__} gives {kind} routing "
+              "(no per-token choices to keep): use 'indices' or 'einsum'")
+    require(self.dropless_backend in BACKENDS, "moe.dropless_backend",
+            f"must be one of {BACKENDS}, got {self.dropless_backend!r}")
+    require(isinstance(self.dropless_block_size, int)
+            and not isinstance(self.dropless_block_size, bool)
+            and self.dropless_block_size > 0, "moe.dropless_block_size",
+            f"must be a positive integer, got {self.dropless_block_size!r}")
     require(self.capacity_factor is not None and self.capacity_factor > 0,
             "moe.capacity_factor", f"must be > 0, got {self.capacity_factor}")
     require(self.eval_capacity_factor is None
@@ -183,7 +207,8 @@ class MoeLayer(nn.Module):
       y: `[B, T, D]` the MoE output (0 for fully dropped tokens).
       metrics: router metrics plus `drop_rate`, `expert_load` `[E]` (share of
         the selections each expert received, before capacity) and
-        `expert_usage` `[E]` (fraction of each expert's slots filled).
+        `expert_usage` `[E]` (fraction of each expert's slots filled; for
+        "dropless", its rows over `G*S*K/E`, see `vmoe_ext.moe.dropless`).
       layer_record: the `LayerRecord` (token-major assignment `[B, T, K]`
         and the router's forwarded data) for the later MoE layers' context.
     """
@@ -225,7 +250,18 @@ class MoeLayer(nn.Module):
         activation=self.activation, output_bias=per_expert_bias,
         dropout_rate=self.dropout_rate, dropout_output=self.dropout_output,
         init_mode=self.expert_init, dtype=self.dtype, name="Mlp")
-    if self.expert_parallel is None:
+    if self.dispatcher == DROPLESS:
+      y, drop_rate, usage = experts(
+          tokens, deterministic=deterministic,
+          compute=lambda params, tokens, rng: dropless_moe(
+              routing, tokens, params, num_experts=e,
+              activation=self.activation, dropout_rate=self.dropout_rate,
+              dropout_output=self.dropout_output, dropout_rng=rng,
+              dispatch_dtype=dtype, dtype=self.dtype,
+              backend=self.dropless_backend,
+              block_size=self.dropless_block_size,
+              expert_parallel=self.expert_parallel))
+    elif self.expert_parallel is None:
       plan = make_dispatch_plan(routing, num_experts=e, group_size=s,
                                 capacity=capacity, kind=self.dispatcher,
                                 batch_priority=self.batch_priority,
