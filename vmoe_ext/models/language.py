@@ -1,0 +1,395 @@
+"""The language-model backbone of the ACMoE, Symphony and MomentumSMoE papers'
+WikiText-103 / EnWik-8 experiments (docs/language_model.md): Switch ("sg...")
+and GLaM ("sgsf...") layouts of a post-LayerNorm Transformer with cached
+attention, built from the same routers, MoE layer and residual streams as the
+vision backbones.
+
+Shape letters: B batch rows (contiguous text streams), M tokens per block, L
+attention span (= cache length), D model width, V vocabulary.
+
+    h = Embed(tokens)                                  [B, M, D]
+    for each layer (architecture string, `vmoe_ext.models.lm_arch`):
+      cache'[l] = last L rows of [cache[l], h]         (detached)
+      h = LN_attention(h + Attention(h, [cache[l], h]))  (`seq_attention`)
+      s: MoE letters g, c:  y = LN_moe_output(h + Dropout(MoE(h)))
+         MoE letters m, a:  y = stream(h, MoE)   (momentum: LN_2(h - m))
+                            h = LN_moe(h + y)    (h enters twice)
+         f:                 h = LN_ffn(h + Mlp(h))
+    log_probs = log_softmax(h W_out + b_out)           [B, M, V]
+
+No final LayerNorm; the output layer has a bias and is not tied to the
+embedding. The stream state (the momentum) starts at zero in every call,
+i.e. at every block of the text stream; the caches carry over blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Optional, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from vmoe_ext.config.schema import renamed_scope
+from vmoe_ext.errors import check, field_scope, require
+from vmoe_ext.models.lm_arch import (STREAM_LETTERS, LayerSpec, blocks_of,
+                                     default_architecture, moe_blocks,
+                                     parse_architecture)
+from vmoe_ext.models.seq_attention import (SeqAttention, next_cache,
+                                           torch_bias_init, torch_linear_init)
+from vmoe_ext.models.sublayer import (DEFAULT_STREAM, MlpBlock,
+                                      build_moe_layer, check_moe_placement,
+                                      check_stream_placement, mlp_sublayer,
+                                      moe_config)
+from vmoe_ext.moe.contract import RoutingContext
+from vmoe_ext.moe.expert_parallel import ExpertParallel
+from vmoe_ext.naming import metric_key, param_name
+from vmoe_ext.routers.registry import ROUTERS
+from vmoe_ext.streams import STREAMS
+from vmoe_ext.streams.first_layer import FirstLayerThenHeavyBall
+from vmoe_ext.streams.momentum_base import MomentumStream
+
+Array = jax.Array
+Cache = tuple[Array, ...]
+
+# The gate of the authors' code (`CustomNaiveGate_Balance_SMoE`): a linear
+# layer with bias, top-2 of the logits, combine weights softmax over the two,
+# no noise, no balance loss (the gate is built without its balance switch).
+LM_ROUTER: dict[str, Any] = {
+    "name": "noisy_topk", "num_selected": 2, "noise_std": 0.0,
+    "renormalize_gates": True, "logits_bias": True,
+    "importance_loss_weight": 0.0, "load_loss_weight": 0.0}
+# The `moe` defaults of the backbone (the other fields: `MOE_DEFAULTS`).
+# capacity_factor None: dropless (see `LanguageModel.moe`).
+LM_MOE_DEFAULTS: dict[str, Any] = {
+    "num_experts": 16, "capacity_factor": None, "dropout_output": False,
+    "router": LM_ROUTER}
+# The router of `c` layers: the ACMoE authors' AC gate (language preset over
+# their cosine base); its `layers` are the `c` blocks.
+LM_AC_ROUTER: dict[str, Any] = {
+    "name": "acmoe", "normalization": "language",
+    "base": {"name": "cosine_lm", "num_selected": 2}}
+# The stream of `m` and `a` layers when `stream` is unset: MomentumSMoE's
+# LM classes (`mu` 0.7, `gamma` 1 as the paper chose; Adam: gamma1 = gamma2
+# = 1, beta1 0.9, beta2 0.999, eps 1e-8 under the root).
+LM_STREAMS: dict[str, dict[str, Any]] = {
+    "m": {"name": "momentum", "mu": 0.7, "gamma": 1.0,
+          "layout": "vmoe_reference"},
+    "a": {"name": "adam", "form": "code", "mu": 0.7, "gamma": 1.0,
+          "momentum_gamma": 1.0, "beta": 0.999, "beta1": 0.9, "eps": 1e-8,
+          "layout": "vmoe_reference"}}
+PLACEMENT_FIELDS = ("layers", "every", "last")
+
+
+def _identity(x: Array) -> Array:
+  return x
+
+
+def lm_moe_config(moe: Optional[Mapping[str, Any]]) -> dict[str, Any]:
+  """The backbone's filled `moe` dict: `LM_MOE_DEFAULTS` over
+  `MOE_DEFAULTS`, then the user's fields; the placement fields are errors
+  (the architecture string places the MoE layers)."""
+  moe = dict(moe or {})
+  for field in PLACEMENT_FIELDS:
+    require(moe.get(field) is None, f"moe.{field}",
+            "the language model places its MoE layers by its architecture "
+            "string (letters g, m, a, c); leave moe.layers/every/last unset")
+  filled = moe_config({**LM_MOE_DEFAULTS, **moe})
+  assert filled is not None
+  return filled
+
+
+def layer_moe(moe: Mapping[str, Any], router: Mapping[str, Any]
+              ) -> dict[str, Any]:
+  """The `moe` dict of one MoE layer with `router`; `capacity_factor` None
+  becomes `E / K` (with one token per group slot of every expert, C = S:
+  no token can be dropped)."""
+  out = {**moe, "router": dict(router)}
+  if out["capacity_factor"] is None:
+    with field_scope("moe"):
+      k = ROUTERS.build(out["router"], num_experts=out["num_experts"],
+                        parent=None).slots_per_token
+    out["capacity_factor"] = out["num_experts"] / k
+  return out
+
+
+def resolve_stream(stream: Optional[Mapping[str, Any]],
+                   specs: Sequence[LayerSpec]) -> dict[str, Any]:
+  """The stream of the `m` / `a` layers (`LM_STREAMS` when unset); plain
+  when the architecture has neither letter."""
+  letters = {s.ffn for s in specs} & set(STREAM_LETTERS)
+  if not letters:
+    require(stream is None or dict(stream).get("name") == "plain", "stream",
+            "applies to the 'm' and 'a' sub-layers, and the architecture "
+            "has none; leave it unset or use a momentum letter")
+    return dict(DEFAULT_STREAM)
+  (letter,) = letters
+  config = dict(stream) if stream is not None else dict(LM_STREAMS[letter])
+  built = STREAMS.build(config, parent=None)
+  adaptive = isinstance(built, FirstLayerThenHeavyBall)
+  if letter == "a":
+    require(adaptive, "stream.name",
+            f"'a' layers take an adaptive first-layer stream (adam, "
+            f"rmsprop: an adaptive step in the first MoE layer, heavy-ball "
+            f"after it), got {config.get('name')!r}; use 'm' letters")
+  else:
+    require(isinstance(built, MomentumStream) and not adaptive, "stream.name",
+            f"'m' layers take a momentum stream (momentum, robust_momentum, "
+            f"nag, time_varying, sam, complex_momentum, ...), got "
+            f"{config.get('name')!r}"
+            + ("; adaptive first-layer streams take 'a' letters"
+               if adaptive else "; use 'g' for the plain MoE layer"))
+  return config
+
+
+def resolve_ac_router(ac_router: Optional[Mapping[str, Any]],
+                      c_blocks: tuple[int, ...]) -> Optional[dict[str, Any]]:
+  """The router of the `c` layers, placed on them (None without `c`)."""
+  if not c_blocks:
+    require(ac_router is None, "ac_router",
+            "routes the 'c' sub-layers, and the architecture has none")
+    return None
+  router = dict(ac_router if ac_router is not None else LM_AC_ROUTER)
+  require("name" in router, "ac_router.name", "is required")
+  cls = ROUTERS.get(router["name"])
+  if "layers" in getattr(cls, "__dataclass_fields__", {}):
+    layers = router.get("layers", "preset")
+    require(layers == "preset" or tuple(layers) == c_blocks,
+            "ac_router.layers", f"the 'c' letters place the AC layers at "
+                                f"blocks {c_blocks}; leave it unset (got "
+                                f"{layers!r})")
+    router["layers"] = c_blocks
+  return router
+
+
+class LanguageLayer(nn.Module):
+  """One layer: cached attention, then the sub-layer of letter `ffn`
+  (post-LayerNorm; see the module docstring).
+
+  Attributes:
+    ffn: the sub-layer letter (`g`, `m`, `a`, `c` or `f`).
+    moe: the filled `moe` dict of this layer (None for `f`).
+    stream: the stream config of `m` / `a` layers (plain for the others).
+  """
+  ffn: str
+  num_heads: int
+  inner_hidden_size: int
+  dropout_rate: float = 0.0
+  moe: Optional[Mapping[str, Any]] = None
+  stream: Mapping[str, Any] = dataclasses.field(
+      default_factory=lambda: dict(DEFAULT_STREAM))
+  layer_norm_epsilon: float = 1e-5
+  dtype: Any = jnp.float32
+  expert_parallel: Optional[ExpertParallel] = None
+
+  @nn.compact
+  def __call__(self, h: Array, cache: Array, key_pe: Array,
+               ctx: RoutingContext, *, deterministic: bool = True,
+               update_state: bool = False
+               ) -> tuple[Array, RoutingContext, Optional[dict]]:
+    """h: `[B, M, D]`, cache: `[B, L, D]` -> `[B, M, D]`, context, MoE
+    metrics (None for a dense layer)."""
+    norm = lambda name: nn.LayerNorm(epsilon=self.layer_norm_epsilon,
+                                     dtype=self.dtype, name=name)
+    a = SeqAttention(self.num_heads, self.dropout_rate, self.dtype,
+                     name="Attention")(h, cache, key_pe,
+                                       deterministic=deterministic)
+    h = norm("LayerNorm_attention")(h + a)
+    if self.moe is None:
+      f = MlpBlock(self.inner_hidden_size, self.dropout_rate, self.dtype,
+                   "relu", dropout_output=False, name="Mlp")(
+                       h, deterministic=deterministic)
+      return norm("LayerNorm_ffn")(h + f), ctx, None
+    through_stream = self.ffn in STREAM_LETTERS
+    drop = nn.Dropout(self.dropout_rate, name="MoeDropout")
+    y, ctx, metrics = mlp_sublayer(
+        h, ctx, _identity, moe=self.moe,
+        stream=self.stream if through_stream else DEFAULT_STREAM,
+        mlp_dim=self.inner_hidden_size, dropout_rate=self.dropout_rate,
+        activation="relu", dtype=self.dtype,
+        expert_parallel=self.expert_parallel, deterministic=deterministic,
+        update_state=update_state,
+        branch=lambda f: drop(f, deterministic=deterministic))
+    if not through_stream:  # The MoE sub-layer's own post-norm.
+      y = norm("LayerNorm_moe_output")(y)
+    return norm("LayerNorm_moe")(h + y), ctx, metrics
+
+
+class LanguageModel(nn.Module):
+  """Word- or byte-level language model on `[B, M]` token blocks.
+
+  Attributes:
+    vocab_size: V.
+    hidden_size: D.
+    inner_hidden_size: the hidden width of the dense FFNs and (unless
+      `moe.hidden_size`) of the experts.
+    num_heads: attention heads (must divide D).
+    num_layers: the authors' `nlayers`: pairs `s?` (transformer) or
+      quadruples `s?sf` (glam) of the architecture string.
+    attn_span: L, the positions each query attends to (the cache length).
+    base_arch: "transformer" (Switch) or "glam".
+    architecture: the sub-layer letters (`vmoe_ext.models.lm_arch`); None:
+      every MoE layer `g` (`"sg" * n` or `"sgsf" * n`).
+    dropout_rate: attention weights, expert and FFN hidden units, MoE output.
+    moe: the `moe` dict (`MOE_DEFAULTS` fields, backbone defaults
+      `LM_MOE_DEFAULTS`: 16 experts, the authors' top-2 gate `LM_ROUTER`,
+      dropout after the expert activation only). `capacity_factor` None
+      (the default) means dropless, as the authors' fastmoe layer: each
+      layer's capacity factor is `E / K`, so an expert buffer holds a whole
+      group and no token is dropped; any number is used as given.
+      `moe.router` routes the `g`, `m` and `a` layers.
+    ac_router: the router of the `c` layers (None: `LM_AC_ROUTER`); an
+      `acmoe` router is placed on exactly the `c` blocks.
+    stream: the residual stream of the `m` / `a` layers (None:
+      `LM_STREAMS`, heavy-ball for `m`, the authors' Adam form for `a`).
+      `g` and `c` layers pass its state through untouched.
+    layer_norm_epsilon: of the backbone's LayerNorms (torch's 1e-5).
+    state_axis_name, expert_parallel, dtype: as `VisionTransformerMoe`'s.
+
+  `__call__(tokens, cache)` returns `(log_probs [B, M, V], new_cache,
+  metrics)`: `cache` and `new_cache` are tuples with one `[B, L, D]` array
+  per layer (`zero_cache` gives the one a stream starts from); `metrics` has
+  `auxiliary_loss` (summed over MoE layers) and `metrics["layer_i"]` of each
+  MoE layer, and the MoE layers sow their intermediates, as the ViT's.
+  """
+  vocab_size: int
+  hidden_size: int = 128
+  inner_hidden_size: int = 128
+  num_heads: int = 8
+  num_layers: int = 3
+  attn_span: int = 256
+  base_arch: str = "transformer"
+  architecture: Optional[str] = None
+  dropout_rate: float = 0.0
+  moe: Optional[Mapping[str, Any]] = None
+  ac_router: Optional[Mapping[str, Any]] = None
+  stream: Optional[Mapping[str, Any]] = None
+  layer_norm_epsilon: float = 1e-5
+  state_axis_name: Optional[str] = None
+  expert_parallel: Optional[ExpertParallel] = None
+  dtype: Any = jnp.float32
+
+  def __post_init__(self):
+    for field in ("vocab_size", "hidden_size", "inner_hidden_size",
+                  "num_heads", "num_layers", "attn_span"):
+      value = getattr(self, field)
+      require(isinstance(value, int) and not isinstance(value, bool)
+              and value > 0, field,
+              f"must be a positive integer, got {value!r}")
+    require(self.hidden_size % self.num_heads == 0, "num_heads",
+            f"{self.num_heads} heads do not divide hidden_size "
+            f"{self.hidden_size}")
+    require(0.0 <= self.dropout_rate < 1.0, "dropout_rate",
+            f"must be in [0, 1), got {self.dropout_rate}")
+    require(self.layer_norm_epsilon > 0, "layer_norm_epsilon",
+            f"must be > 0, got {self.layer_norm_epsilon}")
+    architecture = (default_architecture(self.base_arch, self.num_layers)
+                    if self.architecture is None else self.architecture)
+    specs = parse_architecture(architecture, self.base_arch, self.num_layers)
+    moe = lm_moe_config(self.moe)
+    stream = resolve_stream(self.stream, specs)
+    ac_router = resolve_ac_router(self.ac_router, blocks_of(specs, "c"))
+    stage = (moe_blocks(specs),)
+    # Everything is validated now, before any tracing.
+    check_moe_placement(layer_moe(moe, moe["router"]), stream, stage,
+                        self.inner_hidden_size, self.dropout_rate,
+                        self.dtype, "relu")
+    if ac_router is not None:
+      with renamed_scope("moe.router", "ac_router"):
+        layer = build_moe_layer(layer_moe(moe, ac_router),
+                                self.inner_hidden_size, self.dropout_rate,
+                                self.dtype, "relu", parent=None)
+        with field_scope("moe"):
+          layer.router.check_stages(stage)
+    check_stream_placement(stream, stage)
+    for name, value in (("architecture", architecture), ("moe", moe),
+                        ("stream", stream), ("ac_router", ac_router)):
+      object.__setattr__(self, name, value)
+    super().__post_init__()
+
+  @property
+  def layers(self) -> tuple[LayerSpec, ...]:
+    return parse_architecture(self.architecture, self.base_arch,
+                              self.num_layers)
+
+  @property
+  def moe_layers(self) -> tuple[int, ...]:
+    """The block indices of the MoE layers."""
+    return moe_blocks(self.layers)
+
+  def layer_moe(self, spec: LayerSpec) -> Optional[dict[str, Any]]:
+    """The filled `moe` dict of layer `spec` (None for a dense layer)."""
+    if not spec.is_moe:
+      return None
+    return layer_moe(self.moe, self.ac_router if spec.ffn == "c"
+                     else self.moe["router"])
+
+  def zero_cache(self, batch_size: int, dtype: Any = jnp.float32) -> Cache:
+    """The cache a stream starts from: zeros `[B, L, D]` per layer."""
+    return tuple(jnp.zeros((batch_size, self.attn_span, self.hidden_size),
+                           dtype) for _ in self.layers)
+
+  @nn.compact
+  def __call__(self, tokens: Array, cache: Sequence[Array], *,
+               deterministic: bool = True, update_state: bool = False
+               ) -> tuple[Array, Cache, dict[str, Any]]:
+    """Log-probabilities `[B, M, V]` of the next token at every position of
+    `tokens` `[B, M]`, the next block's cache, and the metrics.
+
+    `deterministic`: no router noise, no dropout. `update_state`: let
+    routers update their persistent state ("router_state" mutable).
+    """
+    b, m = tokens.shape
+    specs = self.layers
+    want = (b, self.attn_span, self.hidden_size)
+    check(len(cache) == len(specs), "cache",
+          f"needs one [B, L, D] array per layer ({len(specs)}), got "
+          f"{len(cache)}; start a stream from model.zero_cache(B)")
+    for i, c in enumerate(cache):
+      check(tuple(c.shape) == want, "cache",
+            f"layer {i}'s cache has shape {tuple(c.shape)}, expected {want} "
+            f"(B, attn_span, hidden_size)")
+    h = nn.Embed(self.vocab_size, self.hidden_size,
+                 embedding_init=nn.initializers.normal(stddev=1.0),
+                 dtype=self.dtype, name="embedding")(tokens)
+    key_pe = self.param("key_pe", nn.initializers.normal(stddev=1.0),
+                        (self.hidden_size // self.num_heads, self.attn_span))
+    ctx = RoutingContext(
+        stream_state=STREAMS.build(self.stream, parent=None).init_state(h),
+        axis_name=self.state_axis_name, moe_blocks=self.moe_layers)
+    new_cache = []
+    metrics: dict[str, Any] = {}
+    for spec in specs:
+      new_cache.append(next_cache(cache[spec.block], h))
+      h, ctx, layer_metrics = LanguageLayer(
+          ffn=spec.ffn, num_heads=self.num_heads,
+          inner_hidden_size=self.inner_hidden_size,
+          dropout_rate=self.dropout_rate, moe=self.layer_moe(spec),
+          stream=self.stream, layer_norm_epsilon=self.layer_norm_epsilon,
+          dtype=self.dtype, expert_parallel=self.expert_parallel,
+          name=param_name(spec.block))(
+              h, cache[spec.block], key_pe, ctx.at_block(spec.block),
+              deterministic=deterministic, update_state=update_state)
+      if layer_metrics is not None:
+        metrics[metric_key(spec.block)] = layer_metrics
+    logits = nn.Dense(self.vocab_size, kernel_init=torch_linear_init(),
+                      bias_init=torch_bias_init(self.hidden_size),
+                      dtype=self.dtype, name="output")(h)
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    metrics["auxiliary_loss"] = sum(
+        (v["auxiliary_loss"] for v in metrics.values()),
+        jnp.zeros((), jnp.float32))
+    return log_probs, tuple(new_cache), metrics
+
+
+def language_model_fields(config: dict[str, Any]) -> dict[str, Any]:
+  """The `complete` function of the model registry entry: the fields are
+  the `LanguageModel`'s, checked by the class itself."""
+  return config
+
+
+__all__ = ["LM_AC_ROUTER", "LM_MOE_DEFAULTS", "LM_ROUTER", "LM_STREAMS",
+           "LanguageLayer", "LanguageModel", "language_model_fields",
+           "layer_moe", "lm_moe_config", "resolve_ac_router",
+           "resolve_stream"]
