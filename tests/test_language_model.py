@@ -18,9 +18,11 @@ import pytest
 
 import naive_lm
 from vmoe_ext.errors import ConfigError, InputError, field_scope
+from vmoe_ext.models import language
 from vmoe_ext.models.language import LM_ROUTER, LanguageModel
 from vmoe_ext.models.lm_arch import (LayerSpec, default_architecture,
                                      parse_architecture)
+from vmoe_ext.models.lm_init import authors_initialization
 from vmoe_ext.models.lm_settings import SETTINGS, count_parameters
 from vmoe_ext.models.seq_attention import (SeqAttention, cached_attention,
                                            unwindow, window)
@@ -405,3 +407,56 @@ def test_parameter_counts_of_the_paper_settings():
   two = closed_form_count(267_735, 144, 144, 2, 2048, 8, 16, True)
   assert abs(two / 79e6 - 1) < 0.01
   assert math.isnan(SETTINGS["tiny"].paper_parameters)
+
+
+# --------------------------------------------------------------------------
+# Initialisation.
+# --------------------------------------------------------------------------
+
+
+def test_the_authors_initialisation_of_experts_gate_and_ffn():
+  rng = np.random.default_rng(9)
+  draw = lambda *shape: jnp.asarray(rng.normal(size=shape) + 5.0,
+                                    jnp.float32)
+  experts = {"Dense_0": {"kernel": draw(4, 8, 6), "bias": draw(4, 6)},
+             "Dense_1": {"kernel": draw(4, 6, 8), "bias": draw(4, 8)}}
+  gate = {"kernel": draw(8, 4), "bias": draw(4)}
+  params = {"encoderblock_0": {
+      "Moe": {"Mlp": experts,
+              "router": {"base": {"logits": {"dense": gate}}}},
+      "Mlp": {"Dense_0": {"kernel": draw(8, 6), "bias": draw(6)}},
+      "LayerNorm_moe": {"scale": draw(8)}}}
+  out = authors_initialization(params, jax.random.PRNGKey(0))
+  block, before = out["encoderblock_0"], params["encoderblock_0"]
+  # fastmoe's experts: kaiming_uniform(a=sqrt(5)) of [E, out, in], whose
+  # torch fan-in is out * in; biases zero.
+  for name in ("Dense_0", "Dense_1"):
+    kernel = np.asarray(block["Moe"]["Mlp"][name]["kernel"])
+    bound = 1 / math.sqrt(6 * 8)
+    assert 0.8 * bound < np.abs(kernel).max() <= bound
+    assert np.all(np.asarray(block["Moe"]["Mlp"][name]["bias"]) == 0)
+  # torch nn.Linear: kernel and bias U(+-1/sqrt(fan_in)).
+  for tree, fan_in in ((block["Moe"]["router"]["base"]["logits"]["dense"], 8),
+                       (block["Mlp"]["Dense_0"], 8)):
+    for leaf in tree.values():
+      leaf = np.asarray(leaf)
+      assert 0.5 / math.sqrt(fan_in) < np.abs(leaf).max() <= 1 / math.sqrt(
+          fan_in)
+  np.testing.assert_array_equal(block["LayerNorm_moe"]["scale"],
+                                before["LayerNorm_moe"]["scale"])
+
+
+def test_init_applies_the_authors_initialisation(monkeypatch):
+  calls = []
+
+  def record(params, key):
+    calls.append(sorted(params))
+    return params
+
+  monkeypatch.setattr(language, "authors_initialization", record)
+  for initialization, expected in (("framework", 0), ("authors", 1)):
+    model = make_model("sgsf", "glam", initialization=initialization)
+    jax.eval_shape(model.init, jax.random.PRNGKey(0),
+                   jnp.zeros((B, M), jnp.int32), model.zero_cache(B))
+    assert len(calls) == expected
+  assert "encoderblock_0" in calls[0]

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 from vmoe_ext.config.schema import renamed_scope
 from vmoe_ext.errors import check, field_scope, require
+from vmoe_ext.models.lm_init import authors_initialization
 from vmoe_ext.models.lm_arch import (STREAM_LETTERS, LayerSpec, blocks_of,
                                      default_architecture, moe_blocks,
                                      parse_architecture)
@@ -80,6 +81,7 @@ LM_STREAMS: dict[str, dict[str, Any]] = {
           "momentum_gamma": 1.0, "beta": 0.999, "beta1": 0.9, "eps": 1e-8,
           "layout": "vmoe_reference"}}
 PLACEMENT_FIELDS = ("layers", "every", "last")
+INITIALIZATIONS = ("authors", "framework")
 
 
 def _identity(x: Array) -> Array:
@@ -245,6 +247,10 @@ class LanguageModel(nn.Module):
       `LM_STREAMS`, heavy-ball for `m`, the authors' Adam form for `a`).
       `g` and `c` layers pass its state through untouched.
     layer_norm_epsilon: of the backbone's LayerNorms (torch's 1e-5).
+    initialization: "authors" (`init` redraws the experts, the linear gate
+      and the dense FFNs as the authors' torch code initialises them,
+      `vmoe_ext.models.lm_init`) or "framework" (the shared modules' own
+      initialisers, vmoe's).
     state_axis_name, expert_parallel, dtype: as `VisionTransformerMoe`'s.
 
   `__call__(tokens, cache)` returns `(log_probs [B, M, V], new_cache,
@@ -266,6 +272,7 @@ class LanguageModel(nn.Module):
   ac_router: Optional[Mapping[str, Any]] = None
   stream: Optional[Mapping[str, Any]] = None
   layer_norm_epsilon: float = 1e-5
+  initialization: str = "authors"
   state_axis_name: Optional[str] = None
   expert_parallel: Optional[ExpertParallel] = None
   dtype: Any = jnp.float32
@@ -284,6 +291,8 @@ class LanguageModel(nn.Module):
             f"must be in [0, 1), got {self.dropout_rate}")
     require(self.layer_norm_epsilon > 0, "layer_norm_epsilon",
             f"must be > 0, got {self.layer_norm_epsilon}")
+    require(self.initialization in INITIALIZATIONS, "initialization",
+            f"must be one of {INITIALIZATIONS}, got {self.initialization!r}")
     architecture = (default_architecture(self.base_arch, self.num_layers)
                     if self.architecture is None else self.architecture)
     specs = parse_architecture(architecture, self.base_arch, self.num_layers)
@@ -324,6 +333,17 @@ class LanguageModel(nn.Module):
       return None
     return layer_moe(self.moe, self.ac_router if spec.ffn == "c"
                      else self.moe["router"])
+
+  def init(self, rngs: Any, *args: Any, **kwargs: Any) -> Any:
+    """`nn.Module.init`, then (`initialization="authors"`, no `method`)
+    the authors' initialisation of the feed-forward parameters, drawn from
+    the "params" key."""
+    variables = super().init(rngs, *args, **kwargs)
+    if self.initialization != "authors" or kwargs.get("method") is not None:
+      return variables
+    key = rngs["params"] if isinstance(rngs, Mapping) else rngs
+    return {**variables, "params": authors_initialization(
+        variables["params"], jax.random.fold_in(key, 1))}
 
   def zero_cache(self, batch_size: int, dtype: Any = jnp.float32) -> Cache:
     """The cache a stream starts from: zeros `[B, L, D]` per layer."""
