@@ -33,136 +33,32 @@ import jax.numpy as jnp
 
 from vmoe_ext.config.schema import renamed_scope
 from vmoe_ext.errors import check, field_scope, require
-from vmoe_ext.models.lm_init import authors_initialization
 from vmoe_ext.models.lm_arch import (STREAM_LETTERS, LayerSpec, blocks_of,
                                      default_architecture, moe_blocks,
                                      parse_architecture)
+from vmoe_ext.models.lm_config import (LM_AC_ROUTER, LM_MOE_DEFAULTS,
+                                       LM_ROUTER, LM_STREAMS, LM_XMOE_ROUTER,
+                                       layer_moe, lm_moe_config,
+                                       resolve_ac_router, resolve_stream)
+from vmoe_ext.models.lm_init import authors_initialization
 from vmoe_ext.models.seq_attention import (SeqAttention, next_cache,
                                            torch_bias_init, torch_linear_init)
 from vmoe_ext.models.sublayer import (DEFAULT_STREAM, MlpBlock,
                                       build_moe_layer, check_moe_placement,
-                                      check_stream_placement, mlp_sublayer,
-                                      moe_config)
+                                      check_stream_placement, mlp_sublayer)
 from vmoe_ext.moe.contract import RoutingContext
 from vmoe_ext.moe.expert_parallel import ExpertParallel
 from vmoe_ext.naming import metric_key, param_name
-from vmoe_ext.routers.registry import ROUTERS
 from vmoe_ext.streams import STREAMS
-from vmoe_ext.streams.first_layer import FirstLayerThenHeavyBall
-from vmoe_ext.streams.momentum_base import MomentumStream
 
 Array = jax.Array
 Cache = tuple[Array, ...]
 
-# The gate of the authors' code (`CustomNaiveGate_Balance_SMoE`): a linear
-# layer with bias, top-2 of the logits, combine weights softmax over the two,
-# no noise, no balance loss (the gate is built without its balance switch).
-LM_ROUTER: dict[str, Any] = {
-    "name": "noisy_topk", "num_selected": 2, "noise_std": 0.0,
-    "renormalize_gates": True, "logits_bias": True,
-    "importance_loss_weight": 0.0, "load_loss_weight": 0.0}
-# The `moe` defaults of the backbone (the other fields: `MOE_DEFAULTS`).
-# capacity_factor None: dropless (see `LanguageModel.moe`).
-LM_MOE_DEFAULTS: dict[str, Any] = {
-    "num_experts": 16, "capacity_factor": None, "dropout_output": False,
-    "router": LM_ROUTER}
-# The router of `c` layers: the ACMoE authors' AC gate (language preset over
-# their cosine base); its `layers` are the `c` blocks.
-LM_AC_ROUTER: dict[str, Any] = {
-    "name": "acmoe", "normalization": "language",
-    "base": {"name": "cosine_lm", "num_selected": 2}}
-# The stream of `m` and `a` layers when `stream` is unset: MomentumSMoE's
-# LM classes (`mu` 0.7, `gamma` 1 as the paper chose; Adam: gamma1 = gamma2
-# = 1, beta1 0.9, beta2 0.999, eps 1e-8 under the root).
-LM_STREAMS: dict[str, dict[str, Any]] = {
-    "m": {"name": "momentum", "mu": 0.7, "gamma": 1.0,
-          "layout": "vmoe_reference"},
-    "a": {"name": "adam", "form": "code", "mu": 0.7, "gamma": 1.0,
-          "momentum_gamma": 1.0, "beta": 0.999, "beta1": 0.9, "eps": 1e-8,
-          "layout": "vmoe_reference"}}
-PLACEMENT_FIELDS = ("layers", "every", "last")
 INITIALIZATIONS = ("authors", "framework")
 
 
 def _identity(x: Array) -> Array:
   return x
-
-
-def lm_moe_config(moe: Optional[Mapping[str, Any]]) -> dict[str, Any]:
-  """The backbone's filled `moe` dict: `LM_MOE_DEFAULTS` over
-  `MOE_DEFAULTS`, then the user's fields; the placement fields are errors
-  (the architecture string places the MoE layers)."""
-  moe = dict(moe or {})
-  for field in PLACEMENT_FIELDS:
-    require(moe.get(field) is None, f"moe.{field}",
-            "the language model places its MoE layers by its architecture "
-            "string (letters g, m, a, c); leave moe.layers/every/last unset")
-  filled = moe_config({**LM_MOE_DEFAULTS, **moe})
-  assert filled is not None
-  return filled
-
-
-def layer_moe(moe: Mapping[str, Any], router: Mapping[str, Any]
-              ) -> dict[str, Any]:
-  """The `moe` dict of one MoE layer with `router`; `capacity_factor` None
-  becomes `E / K` (with one token per group slot of every expert, C = S:
-  no token can be dropped)."""
-  out = {**moe, "router": dict(router)}
-  if out["capacity_factor"] is None:
-    with field_scope("moe"):
-      k = ROUTERS.build(out["router"], num_experts=out["num_experts"],
-                        parent=None).slots_per_token
-    out["capacity_factor"] = out["num_experts"] / k
-  return out
-
-
-def resolve_stream(stream: Optional[Mapping[str, Any]],
-                   specs: Sequence[LayerSpec]) -> dict[str, Any]:
-  """The stream of the `m` / `a` layers (`LM_STREAMS` when unset); plain
-  when the architecture has neither letter."""
-  letters = {s.ffn for s in specs} & set(STREAM_LETTERS)
-  if not letters:
-    require(stream is None or dict(stream).get("name") == "plain", "stream",
-            "applies to the 'm' and 'a' sub-layers, and the architecture "
-            "has none; leave it unset or use a momentum letter")
-    return dict(DEFAULT_STREAM)
-  (letter,) = letters
-  config = dict(stream) if stream is not None else dict(LM_STREAMS[letter])
-  built = STREAMS.build(config, parent=None)
-  adaptive = isinstance(built, FirstLayerThenHeavyBall)
-  if letter == "a":
-    require(adaptive, "stream.name",
-            f"'a' layers take an adaptive first-layer stream (adam, "
-            f"rmsprop: an adaptive step in the first MoE layer, heavy-ball "
-            f"after it), got {config.get('name')!r}; use 'm' letters")
-  else:
-    require(isinstance(built, MomentumStream) and not adaptive, "stream.name",
-            f"'m' layers take a momentum stream (momentum, robust_momentum, "
-            f"nag, time_varying, sam, complex_momentum, ...), got "
-            f"{config.get('name')!r}"
-            + ("; adaptive first-layer streams take 'a' letters"
-               if adaptive else "; use 'g' for the plain MoE layer"))
-  return config
-
-
-def resolve_ac_router(ac_router: Optional[Mapping[str, Any]],
-                      c_blocks: tuple[int, ...]) -> Optional[dict[str, Any]]:
-  """The router of the `c` layers, placed on them (None without `c`)."""
-  if not c_blocks:
-    require(ac_router is None, "ac_router",
-            "routes the 'c' sub-layers, and the architecture has none")
-    return None
-  router = dict(ac_router if ac_router is not None else LM_AC_ROUTER)
-  require("name" in router, "ac_router.name", "is required")
-  cls = ROUTERS.get(router["name"])
-  if "layers" in getattr(cls, "__dataclass_fields__", {}):
-    layers = router.get("layers", "preset")
-    require(layers == "preset" or tuple(layers) == c_blocks,
-            "ac_router.layers", f"the 'c' letters place the AC layers at "
-                                f"blocks {c_blocks}; leave it unset (got "
-                                f"{layers!r})")
-    router["layers"] = c_blocks
-  return router
 
 
 class LanguageLayer(nn.Module):
@@ -236,11 +132,12 @@ class LanguageModel(nn.Module):
     dropout_rate: attention weights, expert and FFN hidden units, MoE output.
     moe: the `moe` dict (`MOE_DEFAULTS` fields, backbone defaults
       `LM_MOE_DEFAULTS`: 16 experts, the authors' top-2 gate `LM_ROUTER`,
-      dropout after the expert activation only). `capacity_factor` None
-      (the default) means dropless, as the authors' fastmoe layer: each
-      layer's capacity factor is `E / K`, so an expert buffer holds a whole
-      group and no token is dropped; any number is used as given.
-      `moe.router` routes the `g`, `m` and `a` layers.
+      the "dropless" dispatcher as the authors' fastmoe layer, dropout after
+      the expert activation only). With a capacity dispatcher ("indices",
+      "einsum"), `capacity_factor` None (the default) still drops nothing:
+      each layer's capacity factor is `E / K`, so an expert buffer holds a
+      whole group; any number is used as given. `moe.router` routes the
+      `g`, `m` and `a` layers.
     ac_router: the router of the `c` layers (None: `LM_AC_ROUTER`); an
       `acmoe` router is placed on exactly the `c` blocks.
     stream: the residual stream of the `m` / `a` layers (None:
@@ -409,7 +306,9 @@ def language_model_fields(config: dict[str, Any]) -> dict[str, Any]:
   return config
 
 
+# The config defaults live in `vmoe_ext.models.lm_config`; they stay
+# importable from here.
 __all__ = ["LM_AC_ROUTER", "LM_MOE_DEFAULTS", "LM_ROUTER", "LM_STREAMS",
-           "LanguageLayer", "LanguageModel", "language_model_fields",
-           "layer_moe", "lm_moe_config", "resolve_ac_router",
-           "resolve_stream"]
+           "LM_XMOE_ROUTER", "LanguageLayer", "LanguageModel",
+           "language_model_fields", "layer_moe", "lm_moe_config",
+           "resolve_ac_router", "resolve_stream"]
