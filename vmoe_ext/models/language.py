@@ -45,7 +45,7 @@ from vmoe_ext.models.seq_attention import (SeqAttention, next_cache,
                                            torch_bias_init, torch_linear_init)
 from vmoe_ext.models.sublayer import (DEFAULT_STREAM, MlpBlock,
                                       build_moe_layer, check_moe_placement,
-                                      check_stream_placement, mlp_sublayer)
+                                      mlp_sublayer)
 from vmoe_ext.moe.contract import RoutingContext
 from vmoe_ext.moe.expert_parallel import ExpertParallel
 from vmoe_ext.naming import metric_key, param_name
@@ -197,7 +197,8 @@ class LanguageModel(nn.Module):
     stream = resolve_stream(self.stream, specs)
     ac_router = resolve_ac_router(self.ac_router, blocks_of(specs, "c"))
     stage = (moe_blocks(specs),)
-    # Everything is validated now, before any tracing.
+    # Everything is validated now, before any tracing (the stream's
+    # placement too, by `check_moe_placement`).
     check_moe_placement(layer_moe(moe, moe["router"]), stream, stage,
                         self.inner_hidden_size, self.dropout_rate,
                         self.dtype, "relu")
@@ -208,7 +209,6 @@ class LanguageModel(nn.Module):
                                 self.dtype, "relu", parent=None)
         with field_scope("moe"):
           layer.router.check_stages(stage)
-    check_stream_placement(stream, stage)
     for name, value in (("architecture", architecture), ("moe", moe),
                         ("stream", stream), ("ac_router", ac_router)):
       object.__setattr__(self, name, value)
