@@ -21,9 +21,10 @@ and ACMoE's Table 8:
 All: 8 heads, 16 experts, top-2. `smoe_large` (MomentumSMoE Table 7) has no
 public script: 12 layers of width 512 is the width that gives 388M (352
 gives 242M); its span and block size are the medium model's. The EnWik-8
-vocabulary is the distinct byte values of the prepared text plus `<eos>`
-(each newline ends a line and becomes `<eos>`); 205 is our count, and each
-token more or less moves the total by `2 * 352 + 1` parameters (0.002%).
+vocabulary is the distinct byte values of the prepared text, the newline
+byte becoming `<eos>`; 205 assumes enwik8's commonly cited 205 distinct byte
+values (the file is not on this machine), and each token more or less moves
+the total by `2 * 352 + 1` parameters (0.002%).
 `glam_small` as scripted (3 quadruples) counts 80.05M, 1.3% above the
 paper's 79M (2 quadruples would give 79.17M); docs/language_model.md.
 """
@@ -84,8 +85,8 @@ SETTINGS: dict[str, LMSetting] = {
     "enwik8": LMSetting(
         _model(ENWIK8_VOCAB, 352, 8, 2048, "transformer", 0.1),
         block_size=512, batch_size=48, paper_parameters=36e6),
-    # Not a paper setting: the smallest model with every sub-layer kind,
-    # for tests and smoke runs.
+    # Not a paper setting: a small GLaM (MoE and dense layers) for smoke
+    # runs; swap letters for the other sub-layers.
     "tiny": LMSetting(
         dict(vocab_size=32, hidden_size=16, inner_hidden_size=16,
              num_heads=2, num_layers=2, attn_span=8, base_arch="glam",
