@@ -7,15 +7,15 @@ vision backbones.
 Shape letters: B batch rows (contiguous text streams), M tokens per block, L
 attention span (= cache length), D model width, V vocabulary.
 
-    h = Embed(tokens)                                  [B, M, D]
-    for each layer (architecture string, `vmoe_ext.models.lm_arch`):
-      cache'[l] = last L rows of [cache[l], h]         (detached)
+    h = Embed(tokens)                                    [B, M, D]
+    for each layer l (architecture string, `vmoe_ext.models.lm_arch`):
+      cache'[l] = last L rows of [cache[l], h]           (detached)
       h = LN_attention(h + Attention(h, [cache[l], h]))  (`seq_attention`)
-      s: MoE letters g, c:  y = LN_moe_output(h + Dropout(MoE(h)))
-         MoE letters m, a:  y = stream(h, MoE)   (momentum: LN_2(h - m))
-                            h = LN_moe(h + y)    (h enters twice)
-         f:                 h = LN_ffn(h + Mlp(h))
-    log_probs = log_softmax(h W_out + b_out)           [B, M, V]
+      g, c:  y = LN_moe_output(h + Dropout(MoE(h)))
+      m, a:  y = stream(h, MoE)          (momentum: LN_2(h - m))
+      both:  h = LN_moe(h + y)           (h enters twice)
+      f:     h = LN_ffn(h + Mlp(h))
+    log_probs = log_softmax(h W_out + b_out)             [B, M, V]
 
 No final LayerNorm; the output layer has a bias and is not tied to the
 embedding. The stream state (the momentum) starts at zero in every call,
