@@ -29,12 +29,14 @@ import ml_collections
 
 from vmoe_ext.carving.config import CARVE
 from vmoe_ext.carving.spec import CarveSpec
+from vmoe_ext.classification import LOSSES
 from vmoe_ext.config.defaults import fill_defaults
 from vmoe_ext.config.schema import Section, plain, validate
 from vmoe_ext.data.config import DATA
+from vmoe_ext.data.text_config import TEXT_DATASET_NAME
 from vmoe_ext.errors import require
 from vmoe_ext.evaluate.config import ROBUSTNESS
-from vmoe_ext.models import build_model
+from vmoe_ext.models import LANGUAGE_MODEL, build_model
 from vmoe_ext.models.config import MODEL
 from vmoe_ext.sharding.config import SHARDING
 from vmoe_ext.train.config import INIT, MIXUP, OPTIMIZER, SEED, TRAIN
@@ -74,8 +76,43 @@ def _check_across_sections(config: dict[str, Any]) -> None:
           or config.get("init") is not None, "robustness.from_init",
           "evaluates the params the init section loads, but init is None")
   _check_mixup(config)
+  _check_language_run(config)
   if config.get("carve") is not None:
     _check_carve(config)
+
+
+def _check_language_run(config: Mapping[str, Any]) -> None:
+  """A language model reads text data and text data feeds only it; the
+  image-classification options do not apply to it."""
+  is_lm = config["model"].get("name") == LANGUAGE_MODEL
+  is_text = config["data"].get("name") == TEXT_DATASET_NAME
+  if not is_lm:
+    require(not is_text, "data.name",
+            f"'{TEXT_DATASET_NAME}' (a language-model corpus) feeds model "
+            f"'{LANGUAGE_MODEL}', not {config['model'].get('name')!r}")
+    return
+  require(is_text, "data.name",
+          f"model '{LANGUAGE_MODEL}' reads a text corpus: data.name="
+          f"'{TEXT_DATASET_NAME}', got {config['data'].get('name')!r}")
+  train = config["train"]
+  mixup = fill_defaults(MIXUP, train.get("mixup"))
+  not_for_lm = (
+      ("robustness", config.get("robustness") is not None,
+       "the image robustness evaluation (attacks, corruptions) does not "
+       "apply to a language model; its word-swap attack is "
+       "data.word_swap_rate; set robustness=None"),
+      ("carve", config.get("carve") is not None,
+       "carving reads an image model; set carve=None"),
+      ("train.mixup", mixup is not None and bool(mixup["concentration"]),
+       "mixes images; set it None for a language model"),
+      ("train.label_smoothing", bool(train.get("label_smoothing")),
+       "a language model is trained on the token NLL; set 0"),
+      ("train.loss", train.get("loss", LOSSES[0]) != LOSSES[0],
+       f"a language model is trained on the token NLL (softmax "
+       f"cross-entropy, {LOSSES[0]!r})"),
+  )
+  for field, bad, why in not_for_lm:
+    require(not bad, field, why)
 
 
 def _check_carve(config: Mapping[str, Any]) -> None:
@@ -128,8 +165,13 @@ def validate_config(config: Any) -> None:
   """Raises `ConfigError` naming the first invalid field: everything a run
   checks before reading data, i.e. `resolve_config` and the model's own
   checks (placement, routers, MoE layers), which run when the model is
-  built (`RunContext.assemble` builds it once per run)."""
-  build_model(resolve_config(config).model)
+  built (`RunContext.assemble` builds it once per run). A language model
+  whose `vocab_size` is None (the corpus's, known once the data is read) is
+  checked with a stand-in vocabulary of one token."""
+  model = resolve_config(config).model.to_dict()
+  if model["name"] == LANGUAGE_MODEL and model.get("vocab_size") is None:
+    model["vocab_size"] = 1
+  build_model(model)
 
 
 __all__ = ["ALTERNATIVES", "CONFIG", "SECTIONS", "resolve_config",

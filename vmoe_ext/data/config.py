@@ -1,9 +1,10 @@
 """The `data` config section: dataset name, batching, dataset-specific fields.
 
-Its fields depend on `name`: every dataset has `DATA_COMMON`; "tfds" adds
-`DATA_TFDS` (and the streaming fields, checked by
+Its fields depend on `name`: every image dataset has `DATA_COMMON`; "tfds"
+adds `DATA_TFDS` (and the streaming fields, checked by
 `stream_iterator.check_streaming_config`); "synthetic_clusters" adds the
-fields of `synthetic.DEFAULTS`.
+fields of `synthetic.DEFAULTS`. "text" (a language-model corpus) has
+`text_config.TEXT_DATA` instead, checked by `text_config.check_text_data`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from vmoe_ext.config.schema import (REQUIRED, Field, OneOf, Section, Seq,
 from vmoe_ext.data.loader import DATASET_NAMES
 from vmoe_ext.data.stream_iterator import check_streaming_config
 from vmoe_ext.data.synthetic import DEFAULTS as SYNTHETIC_DEFAULTS
+from vmoe_ext.data.text_config import (TEXT_DATA, TEXT_DATASET_NAME,
+                                       check_text_data)
 from vmoe_ext.errors import require
 
 _STAT = OneOf((Field("float"), Seq(Field("float"), min_length=1)),
@@ -65,6 +68,8 @@ DATA_TFDS: dict[str, Spec] = {
 
 def _data_fields(value: Mapping[str, Any]) -> dict[str, Spec]:
   name = value.get("name")
+  if name == TEXT_DATASET_NAME:  # No image fields.
+    return {"name": DATA_COMMON["name"], **TEXT_DATA}
   fields = dict(DATA_COMMON)
   if name == "tfds":
     fields.update(DATA_TFDS)
@@ -75,7 +80,11 @@ def _data_fields(value: Mapping[str, Any]) -> dict[str, Spec]:
 
 
 def _check_data(value: dict[str, Any]) -> None:
-  """Streaming fields (`vmoe_ext.data.stream_iterator`): checked here, once."""
+  """Streaming fields (`vmoe_ext.data.stream_iterator`) and text corpora
+  (`check_text_data`): checked here, once."""
+  if value.get("name") == TEXT_DATASET_NAME:
+    check_text_data(value)
+    return
   if value.get("name") != "tfds":
     return
   if value.get("streaming"):

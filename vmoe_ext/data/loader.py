@@ -18,7 +18,9 @@ _LOADERS: dict[str, Callable[[Mapping[str, Any]], dict[str, ArrayDataset]]] = {
     "synthetic_clusters": synthetic.load_synthetic_clusters,
     "tfds": tfds_adapter.load_tfds,
 }
-DATASET_NAMES = tuple(_LOADERS)
+# "text": a language-model corpus (`vmoe_ext.data.text_config`), read by
+# `load_text_data`, not by `load_dataset`.
+DATASET_NAMES = (*_LOADERS, "text")
 
 # Per-channel (mean, std) of the raw [0, 1] training images. mnist5k and
 # digits: computed on the fixed train splits (`dataset_stats`);
@@ -48,6 +50,9 @@ def load_dataset(config: Mapping[str, Any]) -> dict[str, ArrayDataset]:
       (e.g. "data.data_dir" for a missing or unreadable directory).
   """
   name = config.get("name", None)
+  require(name != "text", "data.name",
+          "'text' is a language-model corpus: it is read by "
+          "vmoe_ext.data.text_config.load_text_data")
   require(name in _LOADERS, "data.name",
           f"unknown dataset {name!r}; expected one of {DATASET_NAMES}")
   splits = _LOADERS[name](config)

@@ -1,5 +1,5 @@
-"""Models: the ViT-MoE encoder family, the Swin family, and a factory from
-config dicts."""
+"""Models: the ViT-MoE encoder family, the Swin family, the language model,
+and a factory from config dicts."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any, Callable, Mapping, Optional
 import flax.linen as nn
 
 from vmoe_ext.errors import ConfigError, field_scope, require
+from vmoe_ext.models.language import language_model_fields
 from vmoe_ext.models.placement import resolve_moe_layers
 from vmoe_ext.models.vit import MOE_DEFAULTS, VisionTransformerMoe
 from vmoe_ext.moe.expert_parallel import ExpertParallel
@@ -32,6 +33,8 @@ class ModelKind:
 
 _VIT = "vmoe_ext.models.vit:VisionTransformerMoe"
 _SWIN = "vmoe_ext.models.swin:SwinTransformerMoe"
+_LM = "vmoe_ext.models.language:LanguageModel"
+LANGUAGE_MODEL = "language_model"  # The model family of text runs.
 
 
 def dense_vit_fields(config: dict[str, Any]) -> dict[str, Any]:
@@ -85,6 +88,7 @@ MODELS = Registry("model", {
     "soft_moe_vit": ModelKind(_VIT, soft_moe_vit_fields),
     "swin": ModelKind(_SWIN, dense_swin_fields),
     "swin_moe": ModelKind(_SWIN, swin_moe_fields),
+    LANGUAGE_MODEL: ModelKind(_LM, language_model_fields),
 })
 
 
@@ -100,9 +104,11 @@ def build_model(config: Mapping[str, Any],
       "soft" (the default) or a router over a soft base (ACMoE's SoftMoE
       variant); one image per group;
     * "swin": dense Swin Transformer (`vmoe_ext.models.swin`);
-    * "swin_moe": Swin-MoE, `moe` and `moe_blocks` required (any router).
+    * "swin_moe": Swin-MoE, `moe` and `moe_blocks` required (any router);
+    * "language_model": the papers' word/byte-level language model
+      (`vmoe_ext.models.language.LanguageModel`; text data).
   The remaining keys are the selected class's fields
-  (`VisionTransformerMoe` or `SwinTransformerMoe`). Everything is
+  (`VisionTransformerMoe`, `SwinTransformerMoe` or `LanguageModel`). Everything is
   validated here, before any tracing; errors name the full path
   ("model.moe.router.num_selected"). The types of the fields are checked by
   `vmoe_ext.config` (`validate_config`) before this is called.
@@ -129,7 +135,7 @@ def _to_dict(config: Any) -> Any:
   return config
 
 
-__all__ = ["MODELS", "MOE_DEFAULTS", "ModelKind", "VisionTransformerMoe",
+__all__ = ["LANGUAGE_MODEL", "MODELS", "MOE_DEFAULTS", "ModelKind", "VisionTransformerMoe",
            "build_model", "dense_swin_fields", "dense_vit_fields",
            "resolve_moe_layers", "soft_moe_vit_fields", "swin_moe_fields",
            "vmoe_fields"]

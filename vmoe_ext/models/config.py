@@ -1,9 +1,11 @@
 """The `model` config section, read from the classes that define its fields.
 
     model         the fields of the class `name` selects (a `MODELS` entry:
-                  `VisionTransformerMoe`, `SwinTransformerMoe`)
+                  `VisionTransformerMoe`, `SwinTransformerMoe`,
+                  `LanguageModel`)
     model.moe     the keys of `MOE_DEFAULTS` (types from `MoeLayer`, `Router`,
-                  `resolve_moe_layers`)
+                  `resolve_moe_layers`); the language model's defaults are
+                  `LM_MOE_DEFAULTS` over them
     model.moe.router / model.stream
                   `{"name": ..., **the selected class's dataclass fields}`
 
@@ -21,7 +23,8 @@ from vmoe_ext.config.schema import (REQUIRED, Field, Section, Spec,
                                     dataclass_fields, default_fields,
                                     function_fields)
 from vmoe_ext.errors import require
-from vmoe_ext.models import MODELS
+from vmoe_ext.models import LANGUAGE_MODEL, MODELS
+from vmoe_ext.models.lm_config import LM_MOE_DEFAULTS
 from vmoe_ext.models.placement import resolve_moe_layers
 from vmoe_ext.models.vit import MOE_DEFAULTS, VisionTransformerMoe
 from vmoe_ext.moe.contract import Router
@@ -71,8 +74,9 @@ def _subsections(fields: dict[str, Spec], soft: bool) -> dict[str, Spec]:
   return fields
 
 
-def _moe_fields(soft: bool):
-  """Fields of `model.moe`: the keys of `MOE_DEFAULTS`, read at call time.
+def _moe_fields(soft: bool, defaults: Mapping[str, Any] = MOE_DEFAULTS):
+  """Fields of `model.moe`: the keys of `MOE_DEFAULTS`, read at call time,
+  with the model family's `defaults` (the language model's differ).
 
   Types come from where each field is consumed: `resolve_moe_layers`
   (placement), `MoeLayer` (layer fields), `Router` (num_experts).
@@ -84,8 +88,22 @@ def _moe_fields(soft: bool):
              **dataclass_fields(MoeLayer)}
     types = {k: v for k, v in types.items() if k in MOE_DEFAULTS}
     types["num_experts"] = Field("int", low=1)
-    return _subsections(default_fields(MOE_DEFAULTS, types), soft)
+    return _subsections(default_fields(defaults, types), soft)
 
+  return fields
+
+
+def _language_model_fields(fields: dict[str, Spec]) -> dict[str, Spec]:
+  """The language model's own defaults: the `moe` section filled with
+  `LM_MOE_DEFAULTS` (16 experts, the authors' top-2 gate, dropless), and
+  `vocab_size` None meaning the corpus's vocabulary (the run assembly reads
+  it from the data)."""
+  fields["moe"] = Section(_moe_fields(False, {**MOE_DEFAULTS,
+                                              **LM_MOE_DEFAULTS}),
+                          default=None, nullable=True)
+  fields["vocab_size"] = Field(
+      "int", None, nullable=True, low=1,
+      doc="V; None: the corpus's vocabulary (read from the data)")
   return fields
 
 
@@ -95,7 +113,9 @@ def _model_fields(value: Mapping[str, Any]) -> dict[str, Spec]:
   cls = MODELS.get(name).cls if name in MODELS else VisionTransformerMoe
   fields.update(dataclass_fields(cls))
   soft = value.get("name") == "soft_moe_vit"
-  if "moe" in fields:
+  if name == LANGUAGE_MODEL:
+    fields = _language_model_fields(fields)
+  elif "moe" in fields:
     fields["moe"] = Section(_moe_fields(soft), default=None, nullable=True)
   return _subsections(fields, soft)
 
