@@ -11,13 +11,20 @@ mesh), the model (built once, with the mesh's expert parallelism), the data
 interface), the state, and for training the workdir's checkpoint manager.
 Every mode asks its parts of it; none builds its own. Tests inject a
 `DataSource` or a `Partitioning` through `assemble`'s arguments.
+
+A model family whose runs differ from image classification (the language
+model: text data, caches carried between steps, perplexity) has its own
+subclass, listed in `RUN_FAMILIES`; `RunContext.assemble` returns it. It
+overrides the task's seam: `training_inputs`, `initial_state`,
+`make_train_step`, `next_batch`, `progress_metrics`, `summary`, `evaluate`,
+`final_evaluations` (the training loop and the train mode call only these).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import flax.linen as nn
 import flax.serialization
@@ -28,17 +35,25 @@ import numpy as np
 from vmoe_ext.app.schema import resolve_config
 from vmoe_ext.data.source import DataSource
 from vmoe_ext.errors import field_scope, require
-from vmoe_ext.models import build_model
+from vmoe_ext.evaluate.final import final_evaluations
+from vmoe_ext.models import LANGUAGE_MODEL, build_model
+from vmoe_ext.registry import resolve
 from vmoe_ext.reporting.progress import info_line
+from vmoe_ext.reporting.writers import MetricWriter
 from vmoe_ext.sharding.multihost import process_rows
 from vmoe_ext.sharding.partitioning import Partitioning
 from vmoe_ext.train.checkpoints import CheckpointManager, config_fingerprint
 from vmoe_ext.train.initialization import check_init, load_init_params
-from vmoe_ext.train.optimizer import make_optimizer
+from vmoe_ext.train.optimizer import make_learning_rate, make_optimizer
 from vmoe_ext.train.state import TrainState
-from vmoe_ext.train.steps import evaluate, make_eval_step
+from vmoe_ext.train.steps import evaluate, make_eval_step, make_train_step
 from vmoe_ext.train.validate import validate_shapes
 
+
+
+# Model families whose runs differ from image classification: `model.name`
+# -> the `RunContext` subclass (lazy "module:Class") that assembles them.
+RUN_FAMILIES = {LANGUAGE_MODEL: "vmoe_ext.app.lm_run:LanguageRun"}
 
 
 class ResolvedConfig(ml_collections.ConfigDict):
@@ -53,8 +68,8 @@ def resolved(config: Any) -> ResolvedConfig:
 
 
 
-def abstract_variables(model: nn.Module, key: jax.Array, sample: Any) -> Any:
-  """The shapes of `model.init(key, sample)`, traced without computing.
+def abstract_variables(model: nn.Module, key: jax.Array, *inputs: Any) -> Any:
+  """The shapes of `model.init(key, *inputs)`, traced without computing.
 
   The first trace of the model runs the checks that need the token shapes
   (a SoftMoE router's one image per group, a router that reads the previous
@@ -62,7 +77,7 @@ def abstract_variables(model: nn.Module, key: jax.Array, sample: Any) -> Any:
   the full path (`model.moe.group_size`).
   """
   with field_scope("model"):
-    return jax.eval_shape(lambda x: model.init(key, x), sample)
+    return jax.eval_shape(lambda *x: model.init(key, *x), *inputs)
 
 @dataclasses.dataclass
 class RunContext:
@@ -97,6 +112,10 @@ class RunContext:
     or anything compiled. `data` / `partitioning` replace the ones the
     config describes (tests inject them)."""
     config = resolved(config)
+    family = RUN_FAMILIES.get(config.model.name)
+    if family is not None and resolve(family) is not cls:
+      return resolve(family).assemble(config, data=data,
+                                      partitioning=partitioning)
     if partitioning is None:
       partitioning = Partitioning.from_config(config.sharding)
     model = build_model(config.model, partitioning.expert_parallel)
@@ -109,6 +128,40 @@ class RunContext:
   def open_training(self, workdir: str) -> None:
     """The initial train state (or the `init` section's params over it),
     straight into its shardings, and `workdir`'s checkpoint manager."""
+    config = self.config
+    inputs = self.training_inputs()
+    init_key, state_key = jax.random.split(jax.random.key(config.seed))
+    # The parameters do not depend on the layout: initialise the unsplit
+    # model (on this process's rows), straight into the state's shardings.
+    init_model = self.model if self.model.expert_parallel is None else (
+        self.model.clone(expert_parallel=None))
+    shapes = abstract_variables(init_model, init_key, *inputs)
+    init = config.init
+    if init is not None:  # Checked on shapes, before compiling model.init.
+      check_init(init, shapes["params"])
+    variables = jax.jit(lambda *x: init_model.init(init_key, *x),
+                        out_shardings=self.partitioning.shardings(shapes)
+                        )(*inputs)
+    if init is not None:
+      params, report = load_init_params(init, variables["params"])
+      info_line(report.summary())
+      variables = {**variables, "params": params}
+    self.state = self.initial_state(variables,
+                                    make_optimizer(config.optimizer),
+                                    state_key)
+    self.checkpoints = CheckpointManager(
+        os.path.join(workdir, "checkpoints"),
+        save_every=config.train.checkpoint_every,
+        keep=config.train.keep_checkpoints,
+        config_fingerprint=config_fingerprint(config, self.state.params))
+
+  # The task's seam: what a model family's run does its own way (the
+  # language model's run, `vmoe_ext.app.lm_run`, overrides these).
+
+  def training_inputs(self) -> tuple[Any, ...]:
+    """Checks the training data against the model and opens the training
+    iterator; returns the inputs of `model.init` after its key (a training
+    batch of images, as the train step sees them)."""
     config, data = self.config, self.data
     sample = data.sample_batch()
     if data.local_train:
@@ -117,29 +170,54 @@ class RunContext:
                     num_classes=data.num_classes,
                     partitioning=self.partitioning)
     data.train_iterator()
-    init_key, state_key = jax.random.split(jax.random.key(config.seed))
-    # The parameters do not depend on the layout: initialise the unsplit
-    # model (on this process's rows), straight into the state's shardings.
-    init_model = self.model if self.model.expert_parallel is None else (
-        self.model.clone(expert_parallel=None))
-    shapes = abstract_variables(init_model, init_key, sample)
-    init = config.init
-    if init is not None:  # Checked on shapes, before compiling model.init.
-      check_init(init, shapes["params"])
-    variables = jax.jit(lambda x: init_model.init(init_key, x),
-                        out_shardings=self.partitioning.shardings(shapes)
-                        )(sample)
-    if init is not None:
-      params, report = load_init_params(init, variables["params"])
-      info_line(report.summary())
-      variables = {**variables, "params": params}
-    self.state = self.partitioning.shard(TrainState.create(
-        variables, make_optimizer(config.optimizer), state_key))
-    self.checkpoints = CheckpointManager(
-        os.path.join(workdir, "checkpoints"),
-        save_every=config.train.checkpoint_every,
-        keep=config.train.keep_checkpoints,
-        config_fingerprint=config_fingerprint(config, self.state.params))
+    return (sample,)
+
+  def initial_state(self, variables: Any, tx: Any, key: jax.Array
+                    ) -> TrainState:
+    """The train state at step 0 from `model.init`'s variables, placed by
+    the partition rules."""
+    return self.partitioning.shard(TrainState.create(variables, tx, key))
+
+  def make_train_step(self) -> Callable:
+    """The jitted `train_step(state, batch) -> (state, metrics)`
+    (`make_train_step` with the `train` section's loss, label smoothing and
+    mixup, over the run's mesh, the state donated)."""
+    config = self.config
+    return self.partitioning.jit_train_step(make_train_step(
+        self.model, label_smoothing=config.train.label_smoothing,
+        learning_rate_fn=make_learning_rate(config.optimizer),
+        mixup=config.train.mixup, loss_type=config.train.loss), self.state)
+
+  def final_evaluations(self, *, writer: MetricWriter, workdir: str,
+                        records: Sequence[Mapping[str, Any]] = ()
+                        ) -> list[str]:
+    """What runs after training and the final evaluation (the binary's
+    `after_training_hook`): the routing analysis of the test split, then
+    the `robustness` section's evaluation (`final_evaluations`); returns
+    their report sections."""
+    return final_evaluations(
+        self.model, self.state.variables(), self.data.test, self.config,
+        writer=writer, step=int(self.state.step), workdir=workdir,
+        records=records, partitioning=self.partitioning)
+
+  def progress_metrics(self, step: int, rate: float) -> dict[str, Any]:
+    """What a train log line says of progress after `step` steps at `rate`
+    steps/s: examples seen, epochs, and the images/s (None when nothing
+    was timed yet; a timing, see `TIMING_METRICS`)."""
+    batch_size = self.config.data.batch_size  # The global batch.
+    seen = step * batch_size
+    return {"examples_seen": seen,
+            "epoch": seen / self.data.train_iterator().num_examples,
+            "images_per_second": rate * batch_size if rate > 0 else None}
+
+  def summary(self, metrics: dict[str, Any], training: bool = False) -> str:
+    """The metrics of a progress line: a train log line's (`training`) or
+    an evaluation's."""
+    if training:
+      return (f"loss {float(metrics['loss']):.4f}, accuracy "
+              f"{float(metrics['accuracy']):.4f}")
+    return (f"accuracy {metrics['accuracy']:.4f}, loss "
+            f"{metrics['loss']:.4f}")
 
   def next_batch(self) -> dict:
     """The next training batch, a global array split over the mesh."""
@@ -238,10 +316,13 @@ class RunContext:
     return self.data.eval_batches()
 
   def evaluate(self, model: Optional[nn.Module] = None,
-               state: Optional[TrainState] = None) -> dict[str, Any]:
+               state: Optional[TrainState] = None, *,
+               final: bool = False) -> dict[str, Any]:
     """Accuracy, top-5, loss and routing metrics of the test split, of the
     run's model and state or of `model` / `state` (each model's step is
-    jitted once)."""
+    jitted once). `final`: the evaluation after training (the same one
+    here; a model family may evaluate more then)."""
+    del final
     model = self.model if model is None else model
     state = self.state if state is None else state
     if id(model) not in self._eval_steps:
@@ -252,4 +333,4 @@ class RunContext:
                      for b in self.eval_batches()))
 
 
-__all__ = ["ResolvedConfig", "RunContext", "resolved"]
+__all__ = ["RUN_FAMILIES", "ResolvedConfig", "RunContext", "resolved"]

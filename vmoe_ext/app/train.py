@@ -103,10 +103,9 @@ def train_and_evaluate(config: Any, workdir: str, *,
     # after it re-does the evaluation only, and writes its lines once.
     if run.checkpoints.latest_step() != step:
       run.save(metrics_lines=writer.num_lines())
-    final = run.evaluate()
+    final = run.evaluate(final=True)
     writer.write(step, "test", final, final=True)
-    progress_line(None, f"final eval step {step}: accuracy "
-                  f"{final['accuracy']:.4f}, loss {final['loss']:.4f}")
+    progress_line(None, f"final eval step {step}: {run.summary(final)}")
     sections: Sequence[str] = ()
     if after_training is not None:
       sections = after_training(run=run, writer=writer)

@@ -53,19 +53,19 @@ def final_evaluations(model: Any, variables: Mapping[str, Any],
 def after_training_hook(config: ml_collections.ConfigDict, workdir: str
                         ) -> Callable[..., list[str]]:
   """The `train_and_evaluate(after_training=...)` hook of every run:
-  `hook(run, writer) -> markdown sections` of `final_evaluations`, `run`
-  being the run's context (`vmoe_ext.app.context.RunContext`; its resolved
-  config is the one evaluated)."""
+  `hook(run, writer) -> markdown sections`, `run` being the run's context
+  (`vmoe_ext.app.context.RunContext`; its resolved config is the one
+  evaluated), whose `final_evaluations(writer=, workdir=, records=)` says
+  what its model family evaluates after training (an image model:
+  `final_evaluations` here)."""
 
   def hook(run, writer: MetricWriter) -> list[str]:
     main = is_main_process()
     out = workdir if main else tempfile.mkdtemp(prefix="vmoe_ext_plots_")
     try:
-      return final_evaluations(
-          run.model, run.state.variables(), run.data.test, run.config,
-          writer=writer, step=int(run.state.step), workdir=out,
-          records=_records(workdir) if main else [],
-          partitioning=run.partitioning)
+      return run.final_evaluations(
+          writer=writer, workdir=out,
+          records=_records(workdir) if main else [])
     finally:
       if not main:
         shutil.rmtree(out, ignore_errors=True)

@@ -130,17 +130,19 @@ def _figures(analysis: RoutingAnalysis, records, workdir: str,
   return out
 
 
-def routing_section(analysis: RoutingAnalysis,
-                    figures: Sequence[tuple[str, str]]) -> str:
-  """The report's "## Routing analysis" markdown."""
-  m = analysis.metrics
-  layers = sorted(analysis.num_experts, key=block_index)
+def routing_table(metrics: Mapping[str, Any],
+                  num_experts: Mapping[str, int]) -> str:
+  """The markdown table of a `routing` metrics line: per MoE layer its
+  experts, load-balance score, expert loads and instability, then the mean
+  over layers (`{layer: E}` lists the layers)."""
+  m = metrics
+  layers = sorted(num_experts, key=block_index)
   rows, previous = [], None
   for layer in layers:
     percent = ", ".join(f"{p:.1f}" for p in np.asarray(
         m[f"{layer}/load_percent"]))
     r = m.get(f"{layer}/instability")
-    rows.append([layer, analysis.num_experts[layer],
+    rows.append([layer, num_experts[layer],
                  m[f"{layer}/load_balance"], percent,
                  "-" if r is None else f"{r:.4f} (vs {previous})"])
     previous = layer
@@ -148,6 +150,15 @@ def routing_section(analysis: RoutingAnalysis,
                f"{m['load_balance_mean']:.4f} ± {m['load_balance_std']:.4f}",
                "", (f"{m['instability_mean']:.4f} (mean)"
                     if "instability_mean" in m else "-")])
+  return markdown_table(["MoE layer", "experts",
+                         "load-balance score (std of %)", "expert load (%)",
+                         "instability vs previous MoE layer"], rows)
+
+
+def routing_section(analysis: RoutingAnalysis,
+                    figures: Sequence[tuple[str, str]]) -> str:
+  """The report's "## Routing analysis" markdown."""
+  m = analysis.metrics
   text = (
       "## Routing analysis\n\n"
       f"Test split, {m['num_examples']} images, deterministic routing "
@@ -157,9 +168,7 @@ def routing_section(analysis: RoutingAnalysis,
       "Router instability (ACMoE C.9): the fraction of token pairs whose "
       "'same top-1 expert' relation differs between this MoE layer and the "
       "previous one (0 = the same clustering of tokens).\n\n"
-      + markdown_table(["MoE layer", "experts",
-                        "load-balance score (std of %)", "expert load (%)",
-                        "instability vs previous MoE layer"], rows))
+      + routing_table(m, analysis.num_experts))
   if figures:
     text += "\n\n" + "\n".join(f"![{c}]({f})" for c, f in figures)
   return text

@@ -41,7 +41,7 @@ MAX_ARRAY_SIZE = 4096
 # Train-line metrics that measure time, not the computation: they differ
 # between two runs of the same config (and between a run and its resume),
 # where every other value of `metrics.jsonl` is reproduced exactly.
-TIMING_METRICS = ("images_per_second",)
+TIMING_METRICS = ("images_per_second", "tokens_per_second")
 PLOTS_TAG = "plots"
 
 

@@ -17,8 +17,7 @@ import numpy as np
 from vmoe_ext.reporting.report import listify
 from vmoe_ext.reporting.writers import (MetricWriter, duration, progress_bar,
                                        progress_line)
-from vmoe_ext.train.optimizer import make_learning_rate
-from vmoe_ext.train.steps import make_train_step, router_state_metrics
+from vmoe_ext.train.steps import router_state_metrics
 
 
 
@@ -131,8 +130,9 @@ def train_loop(run: Any, writer: MetricWriter, history: list, sigterm: list,
   """The training loop from `run.state.step` to `train.total_steps`.
 
   `run` is the run's context (`vmoe_ext.app.context.RunContext`): its
-  resolved `config`, `model`, `partitioning`, `state` (replaced step by
-  step), `checkpoints`, `next_batch()`, `evaluate()` and `save(**extra)`.
+  resolved `config`, `state` (replaced step by step), `checkpoints`,
+  `make_train_step()`, `next_batch()`, `evaluate()`, `save(**extra)`, and
+  for the log lines `progress_metrics(step, rate)` and `summary(metrics)`.
 
   Returns the last step, or None when stopped at `stop_at_step`. Raises
   `NonFiniteError` (nothing saved after the first bad step) or `Preempted`
@@ -148,14 +148,9 @@ def train_loop(run: Any, writer: MetricWriter, history: list, sigterm: list,
   # `history` keeps metrics, never states. No host sync per step: the NaN
   # guard runs on the device (see `make_train_step`) and is read back by
   # `check_finite` before anything is logged, evaluated or saved.
-  train_step = run.partitioning.jit_train_step(make_train_step(
-      run.model, label_smoothing=config.train.label_smoothing,
-      learning_rate_fn=make_learning_rate(config.optimizer),
-      mixup=config.train.mixup, loss_type=config.train.loss), run.state)
+  train_step = run.make_train_step()
   save = lambda: run.save(metrics_lines=writer.num_lines(),
                           history=history_to_json(history))
-  batch_size = config.data.batch_size  # The global batch.
-  train_examples = run.data.train_iterator().num_examples
   # Throughput from the end of the first step on (it includes compiling).
   timed_from, since = step + 1, time.time()
   with progress_bar(total=total, desc="train", initial=step) as bar:
@@ -180,28 +175,24 @@ def train_loop(run: Any, writer: MetricWriter, history: list, sigterm: list,
         mean = _mean_metrics(history)
         rate = (step - timed_from) / max(time.time() - since, 1e-9)
         # Persistent router state (Symphony's expert graph) as it is now;
-        # progress: examples seen, epochs, and the images/s since the first
-        # step (a timing: it differs between runs, see TIMING_METRICS).
-        seen = step * batch_size
+        # progress: examples seen, epochs, and the throughput since the
+        # first step (a timing: it differs between runs, see
+        # TIMING_METRICS; None when only the first step, compiling, ran
+        # since the start or the resume: nothing timed yet).
         writer.write(step, "train", {
             **mean, **router_state_metrics(run.state.collections),
-            "examples_seen": seen, "epoch": seen / train_examples,
-            # None when only the first step (compiling) ran since the
-            # start or the resume: nothing timed yet.
-            "images_per_second": rate * batch_size if rate > 0 else None})
+            **run.progress_metrics(step, rate)})
         bar.set_postfix(loss=f"{float(metrics['loss']):.3f}")
         speed = (f"{rate:.2f} steps/s, ETA "
                  f"{duration((total - step) / rate)}" if rate > 0
                  else "compiled")
-        progress_line(bar, f"train step {step}/{total}: loss "
-                      f"{float(mean['loss']):.4f}, accuracy "
-                      f"{float(mean['accuracy']):.4f}, {speed}")
+        progress_line(bar, f"train step {step}/{total}: "
+                      f"{run.summary(mean, training=True)}, {speed}")
         history = []
       if eval_now:
         result = run.evaluate()
         writer.write(step, "test", result)
-        progress_line(bar, f"eval step {step}: accuracy "
-                      f"{result['accuracy']:.4f}, loss {result['loss']:.4f}")
+        progress_line(bar, f"eval step {step}: {run.summary(result)}")
       if save_now or sigterm:
         save()
       if sigterm:
