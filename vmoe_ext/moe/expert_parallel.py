@@ -26,7 +26,10 @@ dropout masks are drawn on the global buffer shape and passed in with that
 sharding, so dropout too equals the single-device layer's. Drop rate and
 expert usage are reduced over all shards (counts summed, not rates
 averaged). Token choice, expert choice and soft routing take this same path:
-their routings are all group-major pytrees.
+their routings are all group-major pytrees. The dropless layer has no
+fixed-size buffers and runs its own `shard_map` on this layout (an
+all-gather of its data slice and one reduce-scatter,
+`vmoe_ext.moe.dropless`).
 """
 
 from __future__ import annotations
