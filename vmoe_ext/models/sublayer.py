@@ -39,7 +39,11 @@ MOE_DEFAULTS: dict[str, Any] = {
                                 # "exact" rounding, 4 for "vmoe")
     "capacity_rounding": "exact",  # "exact" | "vmoe" (ceil of the raw float)
                                    # | "tutel" (K * int(cf * ceil(S / E)))
-    "dispatcher": "indices",    # "indices" | "einsum"
+    "dispatcher": "indices",    # "indices" | "einsum" | "dropless"
+    "dropless_backend": "auto",  # dropless grouped matmul: "auto" (ragged_dot
+                                 # on GPU/TPU, padded blocks on CPU) |
+                                 # "ragged" | "blocks"
+    "dropless_block_size": 128,  # rows per block of the "blocks" backend
     "batch_priority": False,    # BPR
     "dropout_rate": None,       # expert dropout (None: the model's)
     "dropout_output": True,     # also after the experts' output layer
@@ -90,6 +94,8 @@ def build_moe_layer(moe: Mapping[str, Any], mlp_dim: int, dropout_rate: float,
       capacity_multiple=moe["capacity_multiple"],
       capacity_rounding=moe["capacity_rounding"],
       dispatcher=moe["dispatcher"],
+      dropless_backend=moe["dropless_backend"],
+      dropless_block_size=moe["dropless_block_size"],
       batch_priority=moe["batch_priority"],
       dropout_rate=(dropout_rate if moe["dropout_rate"] is None
                     else moe["dropout_rate"]),
