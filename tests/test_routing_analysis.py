@@ -5,6 +5,7 @@ binary's after-training hook."""
 
 from __future__ import annotations
 
+import functools
 import os
 import types
 
@@ -31,6 +32,7 @@ from vmoe_ext.reporting.writers import MetricWriter, read_metrics
 from vmoe_ext.routers.base import Router, RouterOutput
 from vmoe_ext.routers.registry import ROUTERS
 from vmoe_ext.app import train as loop
+from vmoe_ext.app.context import RunContext
 from vmoe_ext.train.config_files import load_config
 from vmoe_ext.train.steps import router_state_metrics
 
@@ -395,6 +397,9 @@ def test_dense_model_gets_no_section_line_or_figure(tmp_path):
       model=model, config=config, partitioning=None,
       data=types.SimpleNamespace(test=data),
       state=types.SimpleNamespace(step=3, variables=lambda: variables))
+  # The hook asks the run for its after-training evaluations: an image
+  # run's (`RunContext.final_evaluations`) on these parts.
+  run.final_evaluations = functools.partial(RunContext.final_evaluations, run)
   workdir = str(tmp_path)
   with MetricWriter(workdir, tensorboard=False) as writer:
     assert after_training_hook(config, workdir)(run=run, writer=writer) == []

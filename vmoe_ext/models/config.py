@@ -6,7 +6,7 @@
     model.moe     the keys of `MOE_DEFAULTS` (types from `MoeLayer`, `Router`,
                   `resolve_moe_layers`); the language model's defaults are
                   `LM_MOE_DEFAULTS` over them
-    model.moe.router / model.stream
+    model.moe.router / model.stream / model.ac_router (language model)
                   `{"name": ..., **the selected class's dataclass fields}`
 
 The fields are read at validation time, so a new router, stream or MoE field
@@ -97,13 +97,17 @@ def _language_model_fields(fields: dict[str, Spec]) -> dict[str, Spec]:
   """The language model's own defaults: the `moe` section filled with
   `LM_MOE_DEFAULTS` (16 experts, the authors' top-2 gate, dropless), and
   `vocab_size` None meaning the corpus's vocabulary (the run assembly reads
-  it from the data)."""
+  it from the data), `ac_router` a router section."""
   fields["moe"] = Section(_moe_fields(False, {**MOE_DEFAULTS,
                                               **LM_MOE_DEFAULTS}),
                           default=None, nullable=True)
   fields["vocab_size"] = Field(
       "int", None, nullable=True, low=1,
       doc="V; None: the corpus's vocabulary (read from the data)")
+  # The router of the `c` layers, a router section as `moe.router` is
+  # (None: `LM_AC_ROUTER`).
+  fields["ac_router"] = registered(ROUTERS, fixed=("num_experts",),
+                                   default=None, nullable=True)
   return fields
 
 
