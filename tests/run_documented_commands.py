@@ -62,6 +62,7 @@ SKIP = (
     ("/ckpts/", "needs a released checkpoint"),
     ("cifar10", "needs CIFAR-10 prepared with TFDS"),
     ("imagenet_o=", "needs ImageNet-O"),
+    ("/data/wikitext-103", "needs WikiText-103"),
 )
 DEFAULT_RUN = "python -m vmoe_ext.main"  # Trains into ./runs/default.
 

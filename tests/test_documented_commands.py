@@ -35,8 +35,9 @@ DOCS = ["README.md", *sorted(
 BINARY_FLAGS = ("--workdir", "--debug", "--distributed",
                 "--coordinator_address", "--num_processes", "--process_id")
 # Fields that name data or checkpoints on the user's disk.
-DATA_FIELDS = ("data.data_dir", "init.checkpoint", "init.workdir",
-               "robustness.checkpoint_dir", "carve.checkpoint_dir")
+DATA_FIELDS = ("data.data_dir", "data.path", "init.checkpoint",
+               "init.workdir", "robustness.checkpoint_dir",
+               "carve.checkpoint_dir")
 
 
 def _code_blocks(text: str) -> list[str]:
