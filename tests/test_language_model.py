@@ -182,9 +182,12 @@ def test_the_ac_layer_pools_the_whole_block_as_the_authors_code():
   for architecture in ("sgsg", "sgsc"):
     model = make_model(architecture)
     variables = random_variables(model, seed=5)
-    a = model.apply(variables, block, model.zero_cache(B))[0]
+    a, _, metrics = model.apply(variables, block, model.zero_cache(B))
     b = model.apply(variables, later, model.zero_cache(B))[0]
     moved[architecture] = float(jnp.max(jnp.abs(a - b)[:, :-1]))
+    # Neither the SMoE gate nor the AC gate (on its cosine base) is built
+    # with its balance switch in the authors' code: no auxiliary loss.
+    assert float(metrics["auxiliary_loss"]) == 0.0, architecture
   assert moved["sgsg"] == 0.0
   assert moved["sgsc"] > 0.0
 

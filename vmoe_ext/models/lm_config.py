@@ -45,10 +45,12 @@ LM_MOE_DEFAULTS: dict[str, Any] = {
     "num_experts": 16, "dispatcher": "dropless", "capacity_factor": None,
     "dropout_output": False, "router": LM_ROUTER}
 # The router of `c` layers: the ACMoE authors' AC gate (language preset over
-# their cosine base); its `layers` are the `c` blocks.
+# their cosine base, which adds no balance loss: the gate is built without
+# its balance switch); its `layers` are the `c` blocks.
 LM_AC_ROUTER: dict[str, Any] = {
     "name": "acmoe", "normalization": "language",
-    "base": {"name": "cosine_lm", "num_selected": 2}}
+    "base": {"name": "cosine_lm", "num_selected": 2,
+             "importance_loss_weight": 0.0, "load_loss_weight": 0.0}}
 # The stream of `m` and `a` layers when `stream` is unset: MomentumSMoE's
 # LM classes (`mu` 0.7, `gamma` 1 as the paper chose; Adam: gamma1 = gamma2
 # = 1, beta1 0.9, beta2 0.999, eps 1e-8 under the root).
