@@ -54,6 +54,9 @@ setup(
                 "tensorflow-datasets>=4.9.10", "pillow>=10", "grain>=0.2.18",
                 # FGSM/PGD oracle of tests/test_attacks.py.
                 "foolbox>=3.3.4",
+                # An independent writer and reader of Hugging Face
+                # checkpoints for tests/test_carve_decoder.py (numpy API).
+                "safetensors>=0.4",
                 # colab/execute.py runs the notebooks in a Jupyter kernel;
                 # tests/test_notebooks.py validates them.
                 "nbclient>=0.10", "nbformat>=5.10", "ipykernel>=6.29"],
