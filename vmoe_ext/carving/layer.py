@@ -60,12 +60,14 @@ class CarvedLayer:
   iterations: int = 0
 
 
-def check_sizes(hidden: int, num_experts: int, num_shared: int) -> int:
-  """`m = H / E`; errors name the carve fields."""
+def check_sizes(hidden: int, num_experts: int, num_shared: int,
+                hidden_field: str = "model.mlp_dim") -> int:
+  """`m = H / E`; errors name the carve fields (`hidden_field`: what the
+  message calls the MLP's hidden width H)."""
   require(isinstance(num_experts, int) and num_experts >= 1,
           "carve.num_experts", f"must be an integer >= 1, got {num_experts!r}")
   require(hidden % num_experts == 0, "carve.num_experts",
-          f"the MLP's hidden width model.mlp_dim={hidden} is not divisible "
+          f"the MLP's hidden width {hidden_field}={hidden} is not divisible "
           f"by {num_experts} experts (the authors' code drops the remainder "
           "units, which breaks exactness)")
   require(isinstance(num_shared, int) and 0 <= num_shared < num_experts,
@@ -74,11 +76,12 @@ def check_sizes(hidden: int, num_experts: int, num_shared: int) -> int:
   return hidden // num_experts
 
 
-def check_activation_markers(k_a: int, hidden: int) -> None:
+def check_activation_markers(k_a: int, hidden: int,
+                             hidden_field: str = "model.mlp_dim") -> None:
   """K_a in [1, H]; the error names `carve.activation_markers`."""
   require(isinstance(k_a, int) and 1 <= k_a <= hidden,
           "carve.activation_markers",
-          f"K_a must be an integer in [1, model.mlp_dim={hidden}], got "
+          f"K_a must be an integer in [1, {hidden_field}={hidden}], got "
           f"{k_a!r}")
 
 

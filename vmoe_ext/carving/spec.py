@@ -113,8 +113,14 @@ class CarveSpec:
             "would run through the stream the dense MLP did not")
     require(self.checkpoint_dir, "carve.checkpoint_dir",
             "required: the workdir of a dense ViT training run")
-    hidden = int(model.get("mlp_dim", 0))
-    check_sizes(hidden, self.num_experts, self.num_shared)
+    self.check_options(int(model.get("mlp_dim", 0)))
+    self.blocks(int(model.get("num_layers", 0)))
+
+  def check_options(self, hidden: int,
+                    hidden_field: str = "model.mlp_dim") -> None:
+    """The fields that depend only on the MLP's hidden width H (called
+    `hidden_field` in the messages): sizes, ranges, names."""
+    check_sizes(hidden, self.num_experts, self.num_shared, hidden_field)
     require(isinstance(self.num_activated, int)
             and 1 <= self.num_activated <= self.num_routed,
             "carve.num_activated",
@@ -123,7 +129,7 @@ class CarveSpec:
             f"{self.num_activated!r}")
     require(self.method in METHODS, "carve.method",
             f"must be one of {METHODS}, got {self.method!r}")
-    check_activation_markers(self.activation_markers, hidden)
+    check_activation_markers(self.activation_markers, hidden, hidden_field)
     require(self.distance in DISTANCES, "carve.distance",
             f"must be one of {DISTANCES}, got {self.distance!r}")
     require(isinstance(self.iterations, int) and self.iterations >= 1,
@@ -141,7 +147,6 @@ class CarveSpec:
     require(isinstance(self.batch_size, int) and self.batch_size >= 1,
             "carve.batch_size", f"must be an integer >= 1, got "
             f"{self.batch_size!r}")
-    self.blocks(int(model.get("num_layers", 0)))
 
   def name(self) -> str:
     """`S{shared}A{activated}E{total}`, the paper's notation."""
@@ -153,7 +158,16 @@ def carved_model_config(model: Mapping[str, Any], spec: CarveSpec
   """The `vit_moe` model config of the dense `model` carved by `spec`."""
   model = {k: (dict(v) if isinstance(v, Mapping) else v)
            for k, v in dict(model).items()}
-  activation = model.get("mlp_activation", "gelu")
+  model.update(name="vit_moe", moe=carved_moe_config(
+      spec, spec.blocks(model["num_layers"]), model["mlp_dim"],
+      model.get("mlp_activation", "gelu")))
+  return model
+
+
+def carved_moe_config(spec: CarveSpec, blocks: Sequence[int], hidden: int,
+                      activation: str) -> dict[str, Any]:
+  """The `moe` dict of MLPs of hidden width `hidden` carved by `spec` at
+  `blocks` (any backbone's)."""
   if spec.method == "cmoe":
     router = dict(name="cmoe", num_selected=spec.num_activated,
                   activation=activation,
@@ -164,10 +178,8 @@ def carved_model_config(model: Mapping[str, Any], spec: CarveSpec
   capacity = spec.capacity_factor
   if capacity is None:
     capacity = spec.num_routed / spec.num_activated
-  model.update(name="vit_moe", moe=dict(
-      layers=tuple(spec.blocks(model["num_layers"])),
-      num_experts=spec.num_routed,
-      hidden_size=model["mlp_dim"] // spec.num_experts,
-      shared_experts=spec.num_shared, output_bias="once",
-      capacity_factor=float(capacity), group_size=None, router=router))
-  return model
+  return dict(layers=tuple(blocks), num_experts=spec.num_routed,
+              hidden_size=hidden // spec.num_experts,
+              shared_experts=spec.num_shared, output_bias="once",
+              capacity_factor=float(capacity), group_size=None,
+              router=router)

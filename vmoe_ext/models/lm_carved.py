@@ -1,0 +1,164 @@
+"""The language model with some dense `f` sub-layers carved into MoE layers
+(CMoE, `vmoe_ext.carving.language`; docs/carving.md, "Decoder language
+models").
+
+Shape letters as `vmoe_ext.models.language`: B rows, M tokens per block, L
+attention span, D model width.
+
+A carved `f` layer keeps its attention and both LayerNorms and replaces its
+dense ReLU MLP by an `MoeLayer` `Moe` (the `carved_moe` dict), in the same
+place of the post-norm layer:
+
+    dense f:   h = LN_ffn(h + Mlp(h))        (h = LN_attention(h + attn))
+    carved f:  h = LN_ffn(h + Moe(h))
+
+Every other layer is the `LanguageLayer` it was, with the same routing
+context and residual-stream state as in the dense model: a carved layer
+routes with a context of its own and passes the model's context through
+untouched, so the MoE layers after it (an AC `c` layer reading the previous
+MoE layer's experts, a momentum stream) compute exactly what they did.
+The carved layers' metrics are `metrics["layer_i"]` like the others'.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from vmoe_ext.errors import check, field_scope, require
+from vmoe_ext.models.language import LanguageLayer, LanguageModel
+from vmoe_ext.models.lm_arch import DENSE
+from vmoe_ext.models.seq_attention import (SeqAttention, next_cache,
+                                           torch_bias_init, torch_linear_init)
+from vmoe_ext.models.sublayer import build_moe_layer, moe_config
+from vmoe_ext.moe.contract import RoutingContext
+from vmoe_ext.moe.expert_parallel import ExpertParallel
+from vmoe_ext.naming import metric_key, param_name
+from vmoe_ext.streams import STREAMS
+
+Array = jax.Array
+Cache = tuple[Array, ...]
+
+
+class CarvedFfnLayer(nn.Module):
+  """A carved `f` layer: cached attention, then `LN_ffn(h + Moe(h))`."""
+  num_heads: int
+  inner_hidden_size: int
+  moe: Mapping[str, Any]
+  dropout_rate: float = 0.0
+  layer_norm_epsilon: float = 1e-5
+  dtype: Any = jnp.float32
+  expert_parallel: Optional[ExpertParallel] = None
+
+  @nn.compact
+  def __call__(self, h: Array, cache: Array, key_pe: Array,
+               ctx: RoutingContext, *, deterministic: bool = True,
+               update_state: bool = False) -> tuple[Array, dict]:
+    """h: `[B, M, D]`, cache: `[B, L, D]` -> `[B, M, D]`, MoE metrics."""
+    norm = lambda name: nn.LayerNorm(epsilon=self.layer_norm_epsilon,
+                                     dtype=self.dtype, name=name)
+    a = SeqAttention(self.num_heads, self.dropout_rate, self.dtype,
+                     name="Attention")(h, cache, key_pe,
+                                       deterministic=deterministic)
+    h = norm("LayerNorm_attention")(h + a)
+    layer = build_moe_layer(self.moe, self.inner_hidden_size,
+                            self.dropout_rate, self.dtype, "relu",
+                            name="Moe", expert_parallel=self.expert_parallel)
+    f, metrics, _ = layer(h, ctx, deterministic=deterministic,
+                          update_state=update_state)
+    return norm("LayerNorm_ffn")(h + f), metrics
+
+
+class CarvedLanguageModel(LanguageModel):
+  """`LanguageModel` whose `f` layers `carved_layers` are MoE layers.
+
+  Attributes:
+    carved_layers: block indices of carved `f` layers.
+    carved_moe: their `moe` dict (`MOE_DEFAULTS` fields; the placement
+      fields are ignored, `carved_layers` places them).
+
+  Everything else (fields, `zero_cache`, `moe_layers`: the dense model's
+  MoE layers) is the `LanguageModel`'s; `__call__` returns what its does.
+  """
+  carved_layers: tuple[int, ...] = ()
+  carved_moe: Optional[Mapping[str, Any]] = None
+
+  def __post_init__(self):
+    super().__post_init__()
+    carved = tuple(self.carved_layers)
+    dense = tuple(s.block for s in self.layers if s.ffn == DENSE)
+    bad = [b for b in carved if b not in dense]
+    require(not bad, "carved_layers",
+            f"block(s) {bad} are not dense 'f' layers of {self.architecture!r}"
+            f" (its f layers: {dense})")
+    require(not carved or self.carved_moe is not None, "carved_moe",
+            "carved layers need an moe config")
+    moe = moe_config(self.carved_moe)
+    if moe is not None:
+      with field_scope("carved_moe"):
+        build_moe_layer(moe, self.inner_hidden_size, self.dropout_rate,
+                        self.dtype, "relu", parent=None)
+    object.__setattr__(self, "carved_layers", carved)
+    object.__setattr__(self, "carved_moe", moe)
+
+  @nn.compact
+  def __call__(self, tokens: Array, cache: Sequence[Array], *,
+               deterministic: bool = True, update_state: bool = False
+               ) -> tuple[Array, Cache, dict[str, Any]]:
+    """As `LanguageModel.__call__`: `(log_probs [B, M, V], new_cache,
+    metrics)`."""
+    b, _ = tokens.shape
+    specs = self.layers
+    want = (b, self.attn_span, self.hidden_size)
+    check(len(cache) == len(specs) and all(
+        tuple(c.shape) == want for c in cache), "cache",
+          f"needs one {want} array per layer ({len(specs)}); start a stream "
+          "from model.zero_cache(B)")
+    h = nn.Embed(self.vocab_size, self.hidden_size,
+                 embedding_init=nn.initializers.normal(stddev=1.0),
+                 dtype=self.dtype, name="embedding")(tokens)
+    key_pe = self.param("key_pe", nn.initializers.normal(stddev=1.0),
+                        (self.hidden_size // self.num_heads, self.attn_span))
+    ctx = RoutingContext(
+        stream_state=STREAMS.build(self.stream, parent=None).init_state(h),
+        axis_name=self.state_axis_name, moe_blocks=self.moe_layers)
+    new_cache = []
+    metrics: dict[str, Any] = {}
+    for spec in specs:
+      new_cache.append(next_cache(cache[spec.block], h))
+      name = param_name(spec.block)
+      if spec.block in self.carved_layers:
+        own = RoutingContext(block=spec.block, axis_name=self.state_axis_name,
+                             moe_blocks=self.carved_layers)
+        h, layer_metrics = CarvedFfnLayer(
+            self.num_heads, self.inner_hidden_size, self.carved_moe,
+            self.dropout_rate, self.layer_norm_epsilon, self.dtype,
+            self.expert_parallel, name=name)(
+                h, cache[spec.block], key_pe, own,
+                deterministic=deterministic, update_state=update_state)
+      else:
+        h, ctx, layer_metrics = LanguageLayer(
+            ffn=spec.ffn, num_heads=self.num_heads,
+            inner_hidden_size=self.inner_hidden_size,
+            dropout_rate=self.dropout_rate, moe=self.layer_moe(spec),
+            stream=self.stream, layer_norm_epsilon=self.layer_norm_epsilon,
+            dtype=self.dtype, expert_parallel=self.expert_parallel,
+            name=name)(h, cache[spec.block], key_pe,
+                       ctx.at_block(spec.block), deterministic=deterministic,
+                       update_state=update_state)
+      if layer_metrics is not None:
+        metrics[metric_key(spec.block)] = layer_metrics
+    logits = nn.Dense(self.vocab_size, kernel_init=torch_linear_init(),
+                      bias_init=torch_bias_init(self.hidden_size),
+                      dtype=self.dtype, name="output")(h)
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    metrics["auxiliary_loss"] = sum(
+        (v["auxiliary_loss"] for v in metrics.values()),
+        jnp.zeros((), jnp.float32))
+    return log_probs, tuple(new_cache), metrics
+
+
+__all__ = ["CarvedFfnLayer", "CarvedLanguageModel"]
