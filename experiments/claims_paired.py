@@ -23,8 +23,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 # CLAIMS.md block -> the experiment whose committed results fill it.
 PAIRED_BLOCKS = ("acmoe_paired", "symphony_paired", "momentum_layout", "momentum_variants",
-                 "momentum_depth", "momentum_norms", "cmoe_ablations")
-REGIME_ORDER = ("default", "low_data")
+                 "momentum_depth", "momentum_norms", "cmoe_ablations",
+                 "cmoe_finetuned")
+REGIME_ORDER = ("default", "low_data", "tiny")  # tiny: lm_claims.py's.
 
 
 def load(name: str, results: str = RESULTS) -> dict:
@@ -47,7 +48,8 @@ def _ours(r: dict) -> str:
     return (f"{_num(np.mean(seeds), True)} ± {_num(std)} (over seeds: se "
             f"{_num(r['se'])}, df {r['df']:.0f}; baseline "
             f"{_num(r['baseline_value'])})")
-  return (f"{_num(np.mean(seeds), True)} ± {_num(std)} (per image "
+  unit = "block" if r["metric"] in paired_claims.BLOCK_METRICS else "image"
+  return (f"{_num(np.mean(seeds), True)} ± {_num(std)} (per {unit} "
           f"{_num(r['effect'], True)}, se {_num(r['se'])}, df "
           f"{r['df']:.1f}; baseline {_num(r['baseline_value'])})")
 

@@ -167,7 +167,7 @@ def test_rows_without_committed_values_carry_no_verdict():
   start = TEXT.index("### Not re-judged")
   section = TEXT[start:TEXT.index("### ", start + 4)]
   table = [line for line in section.splitlines() if line.startswith("| ")]
-  assert len(table) >= 3
+  assert len(table) >= 2  # The header and at least one row.
   for line in table:
     for verdict in ("reproduced", "contradicted", "not at this scale",
                     "undecidable here"):

@@ -111,7 +111,8 @@ def test_claim_rows_and_the_committed_files_round_trip(tmp_path):
     ("symphony_paired", {"default", "low_data"}),
     ("acmoe_paired", {"default"}),
     ("momentum_variants", {"default", "low_data"}),
-    ("cmoe_ablations", {"default"})])
+    ("cmoe_ablations", {"default"}),
+    ("cmoe_finetuned", {"default"})])
 def test_the_committed_per_image_claims_rederive_from_their_outcomes(
     name, regimes):
   # experiments/results/NAME.json and NAME_images.npz: every claim's numbers
