@@ -35,7 +35,7 @@ import optax
 
 from vmoe_ext.train.forward import INTERMEDIATES, moe_intermediates
 from vmoe_ext.train.state import TrainState
-from vmoe_ext.train.steps import all_finite, routing_summary
+from vmoe_ext.train.steps import guarded_update, routing_summary
 
 Array = jax.Array
 Batch = dict[str, Array]
@@ -116,15 +116,8 @@ def make_lm_train_step(model: nn.Module, *,
 
     (loss, (ce, log_probs, new_cache, metrics, collections)), grads = (
         jax.value_and_grad(loss_fn, has_aux=True)(state.params))
-    updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    grad_norm = optax.global_norm(grads)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    if guard_weights:
-      finite &= all_finite((params, opt_state, collections))
-    new_state = state.commit(
-        state.replace(params=params, opt_state=opt_state,
-                      collections=dict(collections)), finite)
+    new_state, grad_norm, finite = guarded_update(
+        state, loss, grads, collections, guard_weights)
     new_state = new_state.replace(cache=tuple(
         jnp.where(finite, c, jnp.zeros_like(c)) for c in new_cache))
     correct = jnp.argmax(log_probs, axis=-1) == targets

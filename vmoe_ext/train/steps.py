@@ -105,6 +105,27 @@ def all_finite(tree: Any) -> Array:
   return jnp.all(jnp.stack(checks)) if checks else jnp.asarray(True)
 
 
+def guarded_update(state: TrainState, loss: jax.Array, grads: Any,
+                   collections: Mapping[str, Any], guard_weights: bool
+                   ) -> tuple[TrainState, jax.Array, jax.Array]:
+  """One optimizer update of `state` with `grads` and the new mutable
+  `collections`, committed only where the loss and the gradient norm are
+  finite, and with `guard_weights` the new weights, moments and collections
+  too (a finite gradient times an overflowing learning rate gives inf
+  parameters or moments, which must not be committed either). Returns
+  `(new_state, grad_norm, finite)`."""
+  updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  grad_norm = optax.global_norm(grads)
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  if guard_weights:
+    finite &= all_finite((params, opt_state, collections))
+  new_state = state.commit(
+      state.replace(params=params, opt_state=opt_state,
+                    collections=dict(collections)), finite)
+  return new_state, grad_norm, finite
+
+
 def make_train_step(model: nn.Module, *, label_smoothing: float = 0.0,
                     learning_rate_fn: Callable[[Array], Array] | None = None,
                     guard_weights: bool = True,
@@ -160,17 +181,8 @@ def make_train_step(model: nn.Module, *, label_smoothing: float = 0.0,
 
     (loss, (ce, logits, metrics, collections)), grads = jax.value_and_grad(
         loss_fn, has_aux=True)(state.params)
-    updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    grad_norm = optax.global_norm(grads)
-    # The weights too: a finite gradient times an overflowing learning rate
-    # gives inf parameters or moments, which must not be committed either.
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    if guard_weights:
-      finite &= all_finite((params, opt_state, collections))
-    new_state = state.commit(
-        state.replace(params=params, opt_state=opt_state,
-                      collections=dict(collections)), finite)
+    new_state, grad_norm, finite = guarded_update(
+        state, loss, grads, collections, guard_weights)
     out = {
         "loss": loss,
         "cross_entropy": ce,
