@@ -56,6 +56,15 @@ IMAGE_METRICS = {
         "growth of the error with severity, points (severity 5 - 1, "
         "Gaussian and impulse noise)", -1),
 }
+# Language models (`lm_claims.py`): each evaluation block's mean token NLL
+# x 100 (`vmoe_ext.evaluate.per_block`); the mean over blocks is 100 ln PPL,
+# so a difference of 1 is about a 1% change of the PPL.
+BLOCK_METRICS = {
+    "test_nll": ImageMetric("100 × test NLL per block (mean: 100 ln PPL)",
+                            -1),
+    "attacked_nll": ImageMetric("100 × word-swapped test NLL per block "
+                                "(mean: 100 ln attacked PPL)", -1),
+}
 # The noise corruptions of MomentumSMoE's Fig. 14.
 TREND_CORRUPTIONS = ("gaussian_noise", "impulse_noise")
 
@@ -71,13 +80,16 @@ def image_metric(name: str) -> ImageMetric:
     return ImageMetric(f"{name[6:]} accuracy % (severity 5)", +1)
   if name.startswith("spsa:"):
     return ImageMetric(f"SPSA accuracy % (eps {name[5:]})", +1)
+  if name in BLOCK_METRICS:
+    return BLOCK_METRICS[name]
   return IMAGE_METRICS[name]
 
 
 def is_image_metric(name: str) -> bool:
-  """Whether `name` is a per-image metric (else a run-level one)."""
-  return name in IMAGE_METRICS or name.split(":")[0] in ("corr", "corr5",
-                                                         "spsa")
+  """Whether `name` is a per-image metric, or a language model's per-block
+  one (`BLOCK_METRICS`; else a run-level one)."""
+  return name in IMAGE_METRICS or name in BLOCK_METRICS or name.split(
+      ":")[0] in ("corr", "corr5", "spsa")
 
 
 def eval_names(metric: str, regime: str, available: Sequence[str]

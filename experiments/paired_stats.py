@@ -195,7 +195,10 @@ def judge_claim(diff: ImagePaired, better: int,
 
 # How a paper's number reads as an error (lower is better): accuracies are
 # 100 - accuracy; perplexities and error rates are errors already.
-PAPER_KINDS = ("accuracy", "error", "ppl")
+# "ppl_as_nll": perplexities, compared with our metric 100 x a mean token NLL
+# (100 ln PPL, lower is better): the effect there is 100 ln(PPL_B / PPL_A)
+# at any level of ours (about the relative PPL change, in %).
+PAPER_KINDS = ("accuracy", "error", "ppl", "ppl_as_nll")
 
 
 def relative_change(paper_base: float, paper_candidate: float,
@@ -217,8 +220,14 @@ def expected_effect(paper_base: float, paper_candidate: float, kind: str,
   """The paper's effect on our scale, in our metric's points: the paper's
   relative error change applied to our baseline's error (`our_base` is the
   baseline's value of our metric; `our_better` +1 for an accuracy, whose
-  error is 100 - value, -1 for an error). Positive when it is in the
-  direction our metric calls better."""
+  error is 100 - value, -1 for an error; kind "ppl_as_nll": our metric is
+  100 x a mean NLL, the effect 100 ln(PPL_B / PPL_A) whatever `our_base`).
+  Positive when it is in the direction our metric calls better."""
   r = relative_change(paper_base, paper_candidate, kind)
+  if kind == "ppl_as_nll":  # Our metric is 100 ln PPL, lower is better.
+    if our_better != -1:
+      raise ValueError("kind 'ppl_as_nll' compares with a metric whose lower "
+                       "values are better (100 x a mean NLL)")
+    return -100 * math.log1p(r)
   our_error = 100 - our_base if our_better > 0 else our_base
   return -r * our_error
