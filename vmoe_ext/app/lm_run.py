@@ -28,8 +28,10 @@ D model width.
 * Evaluation: during training (`train.eval_every`) the validation PPL; at
   the end the validation and test PPL, and on the word-swapped copies of
   both the attacked PPL (`vmoe_ext.evaluate.lm_eval`); byte-level corpora
-  report bits per character instead. After it, the routing analysis of the
-  test split (load balance, router instability, Symphony's graph).
+  report bits per character instead. After it, each split's per-block
+  losses (`per_block.npz`, for paired comparisons of two models on the same
+  text) and the routing analysis of the test split (load balance, router
+  instability, Symphony's graph).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from vmoe_ext.data.text_config import (TextData, is_word_level,
                                        load_text_data)
 from vmoe_ext.data.text_stream import BlockIterator
 from vmoe_ext.errors import require
+from vmoe_ext.evaluate import per_block
 from vmoe_ext.evaluate.lm_eval import (ATTACKED_SPLITS, CLEAN_SPLITS,
                                        StreamStep, evaluate_text,
                                        text_final_evaluations)
@@ -100,7 +103,10 @@ def _bpc_or_ppl(metrics: Mapping[str, Any], prefix: str) -> str:
 @dataclasses.dataclass
 class LanguageRun(RunContext):
   """The run of a language model (module docstring); `data` is a
-  `TextSource`."""
+  `TextSource`; `final_blocks`: each split's per-block losses of the last
+  final evaluation (`vmoe_ext.evaluate.per_block`)."""
+  final_blocks: dict[str, tuple[float, ...]] = dataclasses.field(
+      default_factory=dict)
 
   @classmethod
   def assemble(cls, config: Any, *, data: Optional[TextSource] = None,
@@ -208,7 +214,8 @@ class LanguageRun(RunContext):
                final: bool = False) -> dict[str, Any]:
     """The validation split's loss and PPL (BPC on byte-level corpora);
     `final`: the test split's too, and both word-swapped splits' (the
-    attacked PPL), with the test split's routing metrics (`evaluate_text`).
+    attacked PPL), with the test split's routing metrics (`evaluate_text`),
+    each split's per-block losses kept in `final_blocks`.
     """
     model = self.model if model is None else model
     state = self.state if state is None else state
@@ -219,15 +226,23 @@ class LanguageRun(RunContext):
     if id(model) not in self._eval_steps:  # Jitted once per model.
       self._eval_steps[id(model)] = StreamStep(
           model, partitioning=self.partitioning)
-    return evaluate_text(self._eval_steps[id(model)], state.variables(),
-                         self.text, splits,
-                         byte_level=not is_word_level(self.config.data))
+    blocks: dict[str, tuple[float, ...]] = {}
+    metrics = evaluate_text(self._eval_steps[id(model)], state.variables(),
+                            self.text, splits,
+                            byte_level=not is_word_level(self.config.data),
+                            per_block=blocks if final else None)
+    if final:
+      self.final_blocks = blocks
+    return metrics
 
   def final_evaluations(self, *, writer: MetricWriter, workdir: str,
                         records: Sequence[Mapping[str, Any]] = ()
                         ) -> list[str]:
-    """The routing analysis of the test split and Symphony's graph over
-    training (`text_final_evaluations`)."""
+    """`per_block.npz` (each split's per-block losses of the final
+    evaluation), the routing analysis of the test split and Symphony's graph
+    over training (`text_final_evaluations`)."""
+    if self.final_blocks:
+      per_block.write(workdir, self.final_blocks)
     return text_final_evaluations(
         self.model, self.state.variables(), self.text, writer=writer,
         step=int(self.state.step), workdir=workdir, records=records,

@@ -44,10 +44,14 @@ class StreamEval:
     loss: mean over blocks of the block's mean token NLL, in nats.
     num_blocks: blocks scored.
     num_tokens: tokens scored (the sum of the `count`s).
+    block_losses: `[num_blocks]` each block's mean token NLL, in nats, in
+      stream order (their mean is `loss`): the per-block outcomes that
+      paired comparisons of two models on the same text read.
   """
   loss: float
   num_blocks: int
   num_tokens: int
+  block_losses: tuple[float, ...] = ()
 
   @property
   def ppl(self) -> float:
@@ -111,9 +115,11 @@ def evaluate_stream(step_fn: StepFn, ids: np.ndarray, carry: Any, *,
   if np.any(counts_np <= 0):
     raise InputError("step_fn", f"returned count {counts_np.min()} for a "
                      "block; every block must score tokens")
-  return StreamEval(loss=float(np.mean(sums_np / counts_np)),
+  losses = sums_np / counts_np
+  return StreamEval(loss=float(np.mean(losses)),
                     num_blocks=len(positions),
-                    num_tokens=int(counts_np.sum()))
+                    num_tokens=int(counts_np.sum()),
+                    block_losses=tuple(float(x) for x in losses))
 
 
 def evaluate_splits(step_fn: StepFn, splits: Mapping[str, np.ndarray],

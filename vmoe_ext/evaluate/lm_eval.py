@@ -154,12 +154,15 @@ def split_metrics(name: str, result: StreamEval, byte_level: bool
 
 def evaluate_text(step: StreamStep, variables: Mapping[str, Any],
                   data: TextData, splits: Sequence[str], *,
-                  byte_level: bool = False) -> dict[str, Any]:
+                  byte_level: bool = False,
+                  per_block: Optional[dict[str, tuple[float, ...]]] = None
+                  ) -> dict[str, Any]:
   """Loss and PPL (or BPC) of `variables` on each of `splits` (names of
   `data.eval_splits`) by `step`, in one dict (module docstring), and the
   mean over the test split's blocks (else the first split's) of each MoE
   layer's routing metrics (`layer_i/expert_load`, `layer_i/drop_rate`,
-  ...)."""
+  ...). With `per_block`, also each split's per-block losses into it
+  (`StreamEval.block_losses`, `vmoe_ext.evaluate.per_block`)."""
   step.bind(variables)
   out: dict[str, Any] = {}
   routing_from = "test" if "test" in splits else splits[0]
@@ -169,6 +172,8 @@ def evaluate_text(step: StreamStep, variables: Mapping[str, Any],
                        block_size=data.block_size,
                        batch_size=data.eval_batch_size, label=name)
     out.update(split_metrics(name, result, byte_level))
+    if per_block is not None:
+      per_block[name] = result.block_losses
     if name == routing_from and step.extras:
       host = jax.device_get(step.extras)
       out.update({k: np.mean([np.asarray(e[k]) for e in host], axis=0)
