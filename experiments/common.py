@@ -49,9 +49,13 @@ def write_report(root: str, filename: str, lines: Sequence[str]) -> str:
 def config_for(name: str, seed: int, arg: Optional[str] = None):
   """`configs/NAME.py[:ARG]` with `seed` and the shared robustness section:
   FGSM and 10-step PGD (random start) at eps 0.05 and the 15 corruptions at
-  severities 1-5, on 500 test images; no eps sweep."""
+  severities 1-5, on 500 test images; no eps sweep. A config without a
+  robustness section (a language model: its attack is the word swap) gets
+  only the seed."""
   config = load_config(name, arg)
   config.seed = seed
+  if "robustness" not in config:
+    return config
   config.robustness.num_examples = 500
   config.robustness.attacks = (dict(name="fgsm", eps=0.05),
                                dict(name="pgd", eps=0.05, steps=10,

@@ -226,14 +226,16 @@ def build_config(candidate: Candidate, seed: int, regime: Regime,
             f"does not divide the {total} training steps")
     config.train.checkpoint_every = total // candidate.checkpoints_along
     config.train.keep_checkpoints = candidate.checkpoints_along
-  if quick:
+  image = "robustness" in config  # Else a language model (configs/lm.py).
+  if quick and image:
     config.robustness.num_examples = 32
     config.robustness.attacks = tuple(
         dict(a, steps=2) if a["name"] in ("pgd", "spsa") else dict(a)
         for a in config.robustness.attacks)
     if config.robustness.get("corruptions") is not None:
       config.robustness.corruptions["severities"] = (1, 5)
-  config.data.analysis_tsne_tokens = 0  # No t-SNE figure (3 s a layer).
+  if image:
+    config.data.analysis_tsne_tokens = 0  # No t-SNE figure (3 s a layer).
   return config
 
 
