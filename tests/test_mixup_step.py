@@ -15,7 +15,8 @@ import pytest
 from resume_check import short_schedule, straight_vs_resumed
 from vmoe_ext.errors import ConfigError
 from vmoe_ext.models import build_model
-from vmoe_ext.train import loop, steps
+from vmoe_ext.app import context
+from vmoe_ext.train import steps
 from vmoe_ext.train.config_files import load_config
 from vmoe_ext.train.optimizer import make_optimizer
 from vmoe_ext.train.state import TrainState
@@ -263,9 +264,9 @@ def test_config_checks_only_with_mixup_on():
 
 
 def test_kill_and_resume_with_mixup_is_bit_identical(tmp_path, monkeypatch):
-  built = []  # The loop builds its step with the config's mixup section.
-  real = loop.make_train_step
-  monkeypatch.setattr(loop, "make_train_step", lambda model, **kwargs: (
+  built = []  # The run builds its step with the config's mixup section.
+  real = context.make_train_step
+  monkeypatch.setattr(context, "make_train_step", lambda model, **kwargs: (
       built.append(kwargs["mixup"]) or real(model, **kwargs)))
 
   def config():
