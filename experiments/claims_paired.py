@@ -24,7 +24,7 @@ RESULTS = os.path.join(HERE, "results")
 # CLAIMS.md block -> the experiment whose committed results fill it.
 PAIRED_BLOCKS = ("acmoe_paired", "symphony_paired", "momentum_layout", "momentum_variants",
                  "momentum_depth", "momentum_norms", "cmoe_ablations",
-                 "cmoe_finetuned")
+                 "cmoe_finetuned", "lm_claims")
 REGIME_ORDER = ("default", "low_data", "tiny")  # tiny: lm_claims.py's.
 
 
