@@ -242,6 +242,22 @@ class LanguageModel(nn.Module):
     return {**variables, "params": authors_initialization(
         variables["params"], jax.random.fold_in(key, 1))}
 
+  def layer(self, spec: LayerSpec, h: Array, cache: Array, key_pe: Array,
+            ctx: RoutingContext, *, deterministic: bool, update_state: bool
+            ) -> tuple[Array, RoutingContext, Optional[dict[str, Any]]]:
+    """Layer `spec` on `h` `[B, M, D]` (called inside `__call__`): the new
+    `h`, the routing context for the next layer and the layer's metrics (None
+    without an MoE sub-layer). Subclasses replace layers here."""
+    return LanguageLayer(
+        ffn=spec.ffn, num_heads=self.num_heads,
+        inner_hidden_size=self.inner_hidden_size,
+        dropout_rate=self.dropout_rate, moe=self.layer_moe(spec),
+        stream=self.stream, layer_norm_epsilon=self.layer_norm_epsilon,
+        dtype=self.dtype, expert_parallel=self.expert_parallel,
+        name=param_name(spec.block))(
+            h, cache, key_pe, ctx.at_block(spec.block),
+            deterministic=deterministic, update_state=update_state)
+
   def zero_cache(self, batch_size: int, dtype: Any = jnp.float32) -> Cache:
     """The cache a stream starts from: zeros `[B, L, D]` per layer."""
     return tuple(jnp.zeros((batch_size, self.attn_span, self.hidden_size),
@@ -279,15 +295,9 @@ class LanguageModel(nn.Module):
     metrics: dict[str, Any] = {}
     for spec in specs:
       new_cache.append(next_cache(cache[spec.block], h))
-      h, ctx, layer_metrics = LanguageLayer(
-          ffn=spec.ffn, num_heads=self.num_heads,
-          inner_hidden_size=self.inner_hidden_size,
-          dropout_rate=self.dropout_rate, moe=self.layer_moe(spec),
-          stream=self.stream, layer_norm_epsilon=self.layer_norm_epsilon,
-          dtype=self.dtype, expert_parallel=self.expert_parallel,
-          name=param_name(spec.block))(
-              h, cache[spec.block], key_pe, ctx.at_block(spec.block),
-              deterministic=deterministic, update_state=update_state)
+      h, ctx, layer_metrics = self.layer(
+          spec, h, cache[spec.block], key_pe, ctx,
+          deterministic=deterministic, update_state=update_state)
       if layer_metrics is not None:
         metrics[metric_key(spec.block)] = layer_metrics
     logits = nn.Dense(self.vocab_size, kernel_init=torch_linear_init(),

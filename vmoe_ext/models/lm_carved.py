@@ -22,25 +22,22 @@ The carved layers' metrics are `metrics["layer_i"]` like the others'.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from vmoe_ext.errors import check, field_scope, require
-from vmoe_ext.models.language import LanguageLayer, LanguageModel
-from vmoe_ext.models.lm_arch import DENSE
-from vmoe_ext.models.seq_attention import (SeqAttention, next_cache,
-                                           torch_bias_init, torch_linear_init)
+from vmoe_ext.errors import field_scope, require
+from vmoe_ext.models.language import LanguageModel
+from vmoe_ext.models.lm_arch import DENSE, LayerSpec
+from vmoe_ext.models.seq_attention import SeqAttention
 from vmoe_ext.models.sublayer import build_moe_layer, moe_config
 from vmoe_ext.moe.contract import RoutingContext
 from vmoe_ext.moe.expert_parallel import ExpertParallel
-from vmoe_ext.naming import metric_key, param_name
-from vmoe_ext.streams import STREAMS
+from vmoe_ext.naming import param_name
 
 Array = jax.Array
-Cache = tuple[Array, ...]
 
 
 class CarvedFfnLayer(nn.Module):
@@ -104,61 +101,25 @@ class CarvedLanguageModel(LanguageModel):
     object.__setattr__(self, "carved_layers", carved)
     object.__setattr__(self, "carved_moe", moe)
 
-  @nn.compact
-  def __call__(self, tokens: Array, cache: Sequence[Array], *,
-               deterministic: bool = True, update_state: bool = False
-               ) -> tuple[Array, Cache, dict[str, Any]]:
-    """As `LanguageModel.__call__`: `(log_probs [B, M, V], new_cache,
-    metrics)`."""
-    b, _ = tokens.shape
-    specs = self.layers
-    want = (b, self.attn_span, self.hidden_size)
-    check(len(cache) == len(specs) and all(
-        tuple(c.shape) == want for c in cache), "cache",
-          f"needs one {want} array per layer ({len(specs)}); start a stream "
-          "from model.zero_cache(B)")
-    h = nn.Embed(self.vocab_size, self.hidden_size,
-                 embedding_init=nn.initializers.normal(stddev=1.0),
-                 dtype=self.dtype, name="embedding")(tokens)
-    key_pe = self.param("key_pe", nn.initializers.normal(stddev=1.0),
-                        (self.hidden_size // self.num_heads, self.attn_span))
-    ctx = RoutingContext(
-        stream_state=STREAMS.build(self.stream, parent=None).init_state(h),
-        axis_name=self.state_axis_name, moe_blocks=self.moe_layers)
-    new_cache = []
-    metrics: dict[str, Any] = {}
-    for spec in specs:
-      new_cache.append(next_cache(cache[spec.block], h))
-      name = param_name(spec.block)
-      if spec.block in self.carved_layers:
-        own = RoutingContext(block=spec.block, axis_name=self.state_axis_name,
-                             moe_blocks=self.carved_layers)
-        h, layer_metrics = CarvedFfnLayer(
-            self.num_heads, self.inner_hidden_size, self.carved_moe,
-            self.dropout_rate, self.layer_norm_epsilon, self.dtype,
-            self.expert_parallel, name=name)(
-                h, cache[spec.block], key_pe, own,
-                deterministic=deterministic, update_state=update_state)
-      else:
-        h, ctx, layer_metrics = LanguageLayer(
-            ffn=spec.ffn, num_heads=self.num_heads,
-            inner_hidden_size=self.inner_hidden_size,
-            dropout_rate=self.dropout_rate, moe=self.layer_moe(spec),
-            stream=self.stream, layer_norm_epsilon=self.layer_norm_epsilon,
-            dtype=self.dtype, expert_parallel=self.expert_parallel,
-            name=name)(h, cache[spec.block], key_pe,
-                       ctx.at_block(spec.block), deterministic=deterministic,
-                       update_state=update_state)
-      if layer_metrics is not None:
-        metrics[metric_key(spec.block)] = layer_metrics
-    logits = nn.Dense(self.vocab_size, kernel_init=torch_linear_init(),
-                      bias_init=torch_bias_init(self.hidden_size),
-                      dtype=self.dtype, name="output")(h)
-    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    metrics["auxiliary_loss"] = sum(
-        (v["auxiliary_loss"] for v in metrics.values()),
-        jnp.zeros((), jnp.float32))
-    return log_probs, tuple(new_cache), metrics
+  def layer(self, spec: LayerSpec, h: Array, cache: Array, key_pe: Array,
+            ctx: RoutingContext, *, deterministic: bool, update_state: bool
+            ) -> tuple[Array, RoutingContext, Optional[dict[str, Any]]]:
+    """A carved `f` layer with its own routing context (so a later `c` layer
+    or the stream sees what it saw in the dense model); the others as the
+    `LanguageModel`'s."""
+    if spec.block not in self.carved_layers:
+      return super().layer(spec, h, cache, key_pe, ctx,
+                           deterministic=deterministic,
+                           update_state=update_state)
+    own = RoutingContext(block=spec.block, axis_name=self.state_axis_name,
+                         moe_blocks=self.carved_layers)
+    h, layer_metrics = CarvedFfnLayer(
+        self.num_heads, self.inner_hidden_size, self.carved_moe,
+        self.dropout_rate, self.layer_norm_epsilon, self.dtype,
+        self.expert_parallel, name=param_name(spec.block))(
+            h, cache, key_pe, own, deterministic=deterministic,
+            update_state=update_state)
+    return h, ctx, layer_metrics
 
 
 __all__ = ["CarvedFfnLayer", "CarvedLanguageModel"]
