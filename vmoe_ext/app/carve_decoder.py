@@ -68,7 +68,6 @@ from vmoe_ext.evaluate.window_ppl import window_perplexity
 from vmoe_ext.models.llama import LlamaDecoder, load_llama
 from vmoe_ext.reporting.report import listify, write_report
 from vmoe_ext.reporting.writers import MetricWriter, wall_time
-from vmoe_ext.train.checkpoints import CheckpointManager, config_fingerprint
 from vmoe_ext.train.state import TrainState
 
 FAMILIES = ("llama", "lm")
@@ -196,25 +195,9 @@ def carve_llama_checkpoint(values: flags.FlagValues, spec: CarveSpec
 def _restore_lm(ctx: RunContext, source: str) -> tuple[dict, int]:
   """The newest checkpoint's params and collections of the LM run."""
   model, text = ctx.model, ctx.text
-  sample = (np.zeros((1, text.block_size), np.int32), model.zero_cache(1))
-  variables = dict(jax.eval_shape(lambda k: model.init(k, *sample),
-                                  jax.random.key(0)))
-  params = variables.pop("params")
-  variables.pop("intermediates", None)
-  manager = CheckpointManager(
-      os.path.join(source, "checkpoints"), save_every=0,
-      keep=ctx.config.train.keep_checkpoints,
-      config_fingerprint=config_fingerprint(ctx.config, params),
-      purpose="evaluate")
-  try:
-    restored = manager.restore_variables({"params": params,
-                                          "collections": variables})
-  finally:
-    manager.close()
-  require(restored is not None, "--checkpoint_dir",
-          f"no checkpoint of this config could be restored from "
-          f"{manager.directory!r}")
-  entries, step = restored
+  entries, step = ctx.checkpoint_variables(
+      source, np.zeros((1, text.block_size), np.int32), model.zero_cache(1),
+      field="--checkpoint_dir")
   return {"params": entries["params"], **entries["collections"]}, step
 
 

@@ -281,8 +281,21 @@ class RunContext:
       params, report = load_init_params(self.config.init, params)
       self.state = TrainState.for_evaluation(params, variables, 0)
       return f"Evaluated the params {report.summary().splitlines()[0]}."
+    entries, step = self.checkpoint_variables(source, sample, field=field,
+                                              step=step)
+    self.state = TrainState.for_evaluation(entries["params"],
+                                           entries["collections"], step)
+    return (f"Evaluated checkpoint: step {step} of "
+            f"`{os.path.abspath(source)}`.")
+
+  def checkpoint_variables(self, source: str, *inputs: Any, field: str,
+                           step: Optional[int] = None
+                           ) -> tuple[dict[str, Any], int]:
+    """`({"params", "collections"}, step)` of the training workdir
+    `source`'s newest checkpoint (or of `step`), no optimizer, for the run's
+    model traced on `inputs` (its abstract inputs); errors name `field`."""
     variables = dict(abstract_variables(self.model, jax.random.key(0),
-                                        sample))
+                                        *inputs))
     params = variables.pop("params")
     variables.pop("intermediates", None)
     manager = CheckpointManager(
@@ -297,12 +310,9 @@ class RunContext:
       manager.close()
     which = "checkpoint" if step is None else f"checkpoint of step {step}"
     require(restored is not None, field,
-            f"no {which} could be restored from {manager.directory!r}")
-    entries, step = restored
-    self.state = TrainState.for_evaluation(entries["params"],
-                                           entries["collections"], step)
-    return (f"Evaluated checkpoint: step {step} of "
-            f"`{os.path.abspath(source)}`.")
+            f"no {which} of this config could be restored from "
+            f"{manager.directory!r}")
+    return restored
 
   def global_batch(self, batch: dict, local: bool) -> dict:
     """The global batch from a process's rows (`local`: the streaming
