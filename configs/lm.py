@@ -46,6 +46,7 @@ Example: `:glam_medium,momentum`, `:switch_medium,xmoe,symphony`.
 import ml_collections
 
 from vmoe_ext.errors import ConfigError
+from vmoe_ext.models.lm_arch import default_architecture
 from vmoe_ext.models.lm_config import LM_ROUTER, LM_XMOE_ROUTER
 from vmoe_ext.models.lm_settings import SETTINGS
 
@@ -110,8 +111,8 @@ def model_config(setting, methods):
   letter = "m" if "momentum" in methods else "a" if "adam" in methods else "g"
   if letter != "g":
     if architecture is None:
-      unit = "s?" if model["base_arch"] == "transformer" else "s?sf"
-      architecture = unit.replace("?", "g") * model["num_layers"]
+      architecture = default_architecture(model["base_arch"],
+                                          model["num_layers"])
     architecture = architecture.replace("g", letter)
   model["architecture"] = architecture
   router = dict(LM_XMOE_ROUTER if "xmoe" in methods else LM_ROUTER)
