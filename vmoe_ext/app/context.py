@@ -186,7 +186,8 @@ class RunContext:
     return self.partitioning.jit_train_step(make_train_step(
         self.model, label_smoothing=config.train.label_smoothing,
         learning_rate_fn=make_learning_rate(config.optimizer),
-        mixup=config.train.mixup, loss_type=config.train.loss), self.state)
+        mixup=config.train.mixup, loss_type=config.train.loss,
+        input_map=self.data.train_input_map()), self.state)
 
   def final_evaluations(self, *, writer: MetricWriter, workdir: str,
                         records: Sequence[Mapping[str, Any]] = ()

@@ -57,6 +57,10 @@ DATA_TFDS: dict[str, Spec] = {
                       doc="train preprocessing string; streaming only"),
     "worker_count": Field("int", 0, low=0,
                           doc="streaming: preprocessing processes (0: none)"),
+    "device_normalize": Field("bool", False,
+                              doc="streaming: uint8 train batches, "
+                                  "pp_train's trailing value_range applied "
+                                  "in the train step (bit-identical)"),
     "pp_eval": Field("str", None, nullable=True,
                      doc="streaming: eval preprocessing string; set: the "
                          "test split streams too"),
@@ -93,6 +97,9 @@ def _check_data(value: dict[str, Any]) -> None:
             "in memory; data.max_examples bounds what is read)")
     check_streaming_config(value)
   else:
+    require(not value.get("device_normalize"), "device_normalize",
+            "only with data.streaming=True (it moves data.pp_train's "
+            "trailing value_range into the train step)")
     for key in ("pp_train", "pp_eval"):
       require(value.get(key) is None, key,
               "only used with data.streaming=True (the in-memory path "

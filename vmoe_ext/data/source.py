@@ -6,6 +6,8 @@ object and never branches on how it is stored:
     source = DataSource(config.data, config.seed)
     source.train_iterator()   # the training batches (made once)
     source.sample_batch()     # images [B or B/P, H, W, C] for shapes and init
+    source.train_input_map()  # None, or the train step's uint8 -> float32
+                              # first op (`data.device_normalize`)
     source.num_classes
     source.test               # the test images held in memory: the whole
                               # split, or with `data.pp_eval` its analysis
@@ -101,6 +103,15 @@ class DataSource:
     return next(TrainIterator(self._in_memory()["train"], data["batch_size"],
                               self.seed, image_size=data["image_size"],
                               mean=mean, std=std))["image"]
+
+  def train_input_map(self):
+    """The train step's first op on the images of a training batch: with
+    `data.device_normalize`, uint8 -> float32 by `data.pp_train`'s trailing
+    pixel map (`StreamingTrainIterator.device_map`); else None."""
+    if not (self.local_train and self.config.get("device_normalize")):
+      return None
+    channels = self.sample_batch().shape[-1]
+    return self.train_iterator().device_map(channels)
 
   @property
   def num_classes(self) -> int:

@@ -6,7 +6,10 @@ through `vmoe_ext.data.streaming` (Grain over the TFDS array_record files in
 `data.data_dir`) and preprocesses each record with the `data.pp_train`
 string (`vmoe_ext.data.pp`), in `data.worker_count` worker processes (0: in
 this process). It has `TrainIterator`'s protocol: `next(it)` is
-`{"image": float32 [B/P, H, W, C], "label": int32 [B/P]}`, `get_state()` a
+`{"image": float32 [B/P, H, W, C], "label": int32 [B/P]}` (uint8 images
+with `data.device_normalize`: pp_train's trailing `value_range` then runs
+in the train step, `device_map`; see `vmoe_ext.data.device_normalize`),
+`get_state()` a
 JSON-able dict of every process's Grain state, gathered from all processes
 and saved in the checkpoints' `extra["data"]`, and `set_state(state)`
 resumes each process exactly there.
@@ -81,6 +84,8 @@ def check_streaming_config(data: Mapping[str, Any]) -> None:
   require(data.get("image_size") is not None, "image_size",
           "required with data.streaming=True: the side of pp_train's output "
           "images, to which the in-memory test split is resized")
+  from vmoe_ext.data.device_normalize import check_device_normalize  # pylint: disable=g-import-not-at-top
+  check_device_normalize(data, pipeline)
   want_mean, want_std = pp_normalization(pipeline)
   if data.get("pp_eval") is not None:
     evaluation = pp.parse(data["pp_eval"], "pp_eval")
@@ -115,20 +120,34 @@ class PreprocessSpec:
   `data.pp_eval`)."""
 
   def __init__(self, spec: str, image_key: str = "image",
-               label_key: str = "label", field: str = PP_FIELD):
+               label_key: str = "label", field: str = PP_FIELD,
+               device_normalize: bool = False):
     self.spec, self.image_key, self.label_key = spec, image_key, label_key
-    self.field = field
-    self._pipeline = None
+    self.field, self.device_normalize = field, device_normalize
+    self._pipeline = self._split = None
 
   def __getstate__(self) -> dict[str, Any]:
-    return {**self.__dict__, "_pipeline": None}
+    return {**self.__dict__, "_pipeline": None, "_split": None}
 
   @property
   def pipeline(self):
+    """The whole parsed string (the host path's ops)."""
     if self._pipeline is None:
       from vmoe_ext.data import pp  # pylint: disable=g-import-not-at-top
       self._pipeline = pp.parse(self.spec, self.field)
     return self._pipeline
+
+  @property
+  def split(self):
+    """With `device_normalize`: `(host pipeline, device PixelMap)`
+    (`device_normalize.split_pixel_tail`); else None."""
+    if self.device_normalize and self._split is None:
+      from vmoe_ext.data import device_normalize  # pylint: disable=g-import-not-at-top
+      self._split = device_normalize.split_pixel_tail(self.pipeline)
+      require(self._split is not None, "data.device_normalize",
+              f"{self.field} {self.spec!r} has no trailing per-pixel map "
+              "the device can apply")
+    return self._split
 
   @property
   def decodes(self) -> bool:
@@ -140,8 +159,16 @@ class PreprocessSpec:
   def __call__(self, example: Mapping[str, Any],
                rng: np.random.Generator | None = None
                ) -> dict[str, np.ndarray]:
-    image = np.asarray(self.pipeline(example[self.image_key], rng),
-                       np.float32)
+    """`{"image": [H, W, C], "label": int32}`: float32 pp output, or with
+    `device_normalize` the uint8 output of the host part (same draws)."""
+    if self.split is None:
+      image = np.asarray(self.pipeline(example[self.image_key], rng),
+                         np.float32)
+    else:
+      from vmoe_ext.data.device_normalize import check_host_output  # pylint: disable=g-import-not-at-top
+      host = self.split[0]
+      image = check_host_output(np.asarray(host(example[self.image_key],
+                                                rng)), host.spec)
     return {"image": image, "label": np.int32(example[self.label_key])}
 
 
@@ -191,9 +218,10 @@ class StreamingTrainIterator:
     """
     from vmoe_ext.data import streaming  # pylint: disable=g-import-not-at-top
     self._streaming = streaming
-    self._preprocess = PreprocessSpec(data["pp_train"],
-                                      data.get("image_key") or "image",
-                                      data.get("label_key") or "label")
+    self._preprocess = PreprocessSpec(
+        data["pp_train"], data.get("image_key") or "image",
+        data.get("label_key") or "label",
+        device_normalize=bool(data.get("device_normalize")))
     self._source = streaming.open_source(
         data["tfds_name"], data.get("train_split") or "train",
         data.get("data_dir"), decode_image=not self._preprocess.decodes)
@@ -212,10 +240,13 @@ class StreamingTrainIterator:
     return len(self._source)
 
   def sample_batch(self) -> np.ndarray:
-    """A [B/P, H, W, C] float32 batch of record 0's preprocessed image (for
-    shapes and `model.init`), checked against `data.image_size`."""
+    """A [B/P, H, W, C] float32 batch of record 0's preprocessed image as
+    the model sees it (for shapes and `model.init`; with device_normalize
+    the pixel map applied on the host), checked against `data.image_size`."""
     image = self._preprocess(self._source[0], np.random.default_rng(0))[
         "image"]
+    if self._preprocess.split is not None:
+      image = self._preprocess.split[1](image)
     check_image_side(image, self._image_size, PP_FIELD)
     rows = self._kwargs["batch_size"] // self._process()[1]
     return np.broadcast_to(image, (rows,) + image.shape).copy()
@@ -223,9 +254,21 @@ class StreamingTrainIterator:
   def __iter__(self) -> StreamingTrainIterator:
     return self
 
+  def device_map(self, channels: int):
+    """With `data.device_normalize`: the train step's first op
+    (`device_normalize.DeviceNormalize`: uint8 batches -> the float32
+    images of the host path); else None (batches are float32 already)."""
+    if self._preprocess.split is None:
+      return None
+    from vmoe_ext.data.device_normalize import DeviceNormalize  # pylint: disable=g-import-not-at-top
+    return DeviceNormalize(self._preprocess.split[1], channels)
+
   def __next__(self) -> dict[str, np.ndarray]:
+    """`{"image": [B/P, H, W, C], "label": int32 [B/P]}`: float32 images,
+    or uint8 with `data.device_normalize` (never copied to another dtype)."""
     batch = next(self._iter)
-    return {"image": np.asarray(batch["image"], np.float32),
+    dtype = np.uint8 if self._preprocess.split is not None else np.float32
+    return {"image": np.asarray(batch["image"], dtype),
             "label": np.asarray(batch["label"], np.int32)}
 
   def get_state(self) -> dict[str, Any]:

@@ -130,7 +130,8 @@ def make_train_step(model: nn.Module, *, label_smoothing: float = 0.0,
                     learning_rate_fn: Callable[[Array], Array] | None = None,
                     guard_weights: bool = True,
                     mixup: Mapping[str, Any] | None = None,
-                    loss_type: str = LOSSES[0]
+                    loss_type: str = LOSSES[0],
+                    input_map: Callable[[Array], Array] | None = None
                     ) -> Callable[[TrainState, Batch], tuple[TrainState,
                                                              dict]]:
   """Returns `train_step(state, batch) -> (state, metrics)` (not jitted).
@@ -155,6 +156,10 @@ def make_train_step(model: nn.Module, *, label_smoothing: float = 0.0,
   label of the example that keeps the largest mixing weight (>= 1 / size);
   with vmoe's `size=2` that label is always a largest component of its mixed
   target (with more, neighbours sharing a label can outweigh it).
+
+  `input_map` (e.g. `vmoe_ext.data.device_normalize.DeviceNormalize`, with
+  `data.device_normalize`): the step's first op, `batch["image"]` (uint8)
+  -> the float32 images, before mixup and the model.
   """
   mix = mixup_options(mixup)
   smoothing = 0.0 if mix else label_smoothing  # With mixup: before mixing.
@@ -164,6 +169,8 @@ def make_train_step(model: nn.Module, *, label_smoothing: float = 0.0,
     gating, dropout = jax.random.split(key)
     mutable = list(state.collections)
     images, targets = batch["image"], batch["label"]
+    if input_map is not None:
+      images = input_map(images)
     if mix:
       targets = soft_targets(targets, model.num_classes, label_smoothing)
       images, targets = mixup_jax(jax.random.fold_in(key, MIXUP_KEY_DATA),
