@@ -41,6 +41,14 @@ Methods (any that combine):
   xmoe      the XMoE gate (cosine scores in an 8-dimensional space) as the
             layers' gate.
 Example: `:glam_medium,momentum`, `:switch_medium,xmoe,symphony`.
+
+Mode:
+  evaluate  evaluate only (the authors' `--full-eval-mode`): score the newest
+            checkpoint of `--config.robustness.checkpoint_dir=RUN` (a
+            training workdir of the same setting and methods), nothing
+            trained; the numbers go to WORKDIR/evaluation when WORKDIR holds
+            a training run.
+Example: `:tiny,evaluate --config.robustness.checkpoint_dir=runs/lm_tiny`.
 """
 
 import ml_collections
@@ -83,12 +91,12 @@ TINY_MODEL = dict(hidden_size=64, inner_hidden_size=64, num_heads=4,
 def parse_arg(arg):
   """`SETTING[,METHOD...]` -> (setting, methods); ConfigError("--config")."""
   parts = [p.strip() for p in (arg or "tiny").split(",") if p.strip()]
-  usage = (f"expected SETTING[,METHOD...] with SETTING one of "
+  usage = (f"expected SETTING[,METHOD...][,evaluate] with SETTING one of "
            f"{['tiny', *PAPER]} and METHODs of {list(METHODS)}")
   if not parts or parts[0] not in ("tiny",) + PAPER:
     raise ConfigError(FIELD, f"configs/lm.py: unknown setting "
                       f"{parts[0] if parts else ''!r} in {arg!r}; {usage}")
-  methods = parts[1:]
+  methods = [p for p in parts[1:] if p != "evaluate"]
   for method in methods:
     if method not in METHODS:
       raise ConfigError(FIELD, f"configs/lm.py: unknown method {method!r} "
@@ -97,6 +105,11 @@ def parse_arg(arg):
     raise ConfigError(FIELD, f"configs/lm.py: momentum and adam are two "
                       f"residual streams; give one (in {arg!r})")
   return parts[0], tuple(methods)
+
+
+def evaluate_only(arg):
+  """Whether `arg` asks for the evaluate-only mode (`,evaluate`)."""
+  return "evaluate" in [p.strip() for p in (arg or "").split(",")][1:]
 
 
 def model_config(setting, methods):
@@ -150,4 +163,7 @@ def get_config(arg=None):
   config.train = ml_collections.ConfigDict(dict(
       total_steps=total_steps, log_every=log_every, eval_every=eval_every,
       checkpoint_every=checkpoint_every, keep_checkpoints=2))
+  if evaluate_only(arg):
+    config.robustness = ml_collections.ConfigDict(dict(
+        checkpoint_dir=ml_collections.FieldReference(None, field_type=str)))
   return config

@@ -46,6 +46,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from vmoe_ext.errors import ConfigError  # noqa: E402
+from vmoe_ext.models import LANGUAGE_MODEL  # noqa: E402
 from fake_devices import fake_devices_env  # noqa: E402
 from test_documented_commands import (  # noqa: E402
     ROOT, documented_commands, resolve_command)
@@ -76,6 +77,8 @@ def chain(where: str, command: str) -> str:
     return where
   if command == DEFAULT_RUN or where == "docs/robustness.md":
     return "runs/default"
+  if "runs/lm_tiny" in command:  # The LM's evaluate-only after its run.
+    return "runs/lm_tiny"
   return command
 # ImageNet configs run at the paper's batch (4,096 images at 224 px) on this
 # machine only with the config's smoke option.
@@ -106,7 +109,8 @@ def shortened(command: str, scratch: str, fake_data: str) -> list[str]:
     out.append(f"{flag}={value}" if _ else word)
   out += STEPS
   config = resolve_command(["prog", *out])
-  if config.get("robustness") is not None:
+  if (config.get("robustness") is not None
+      and config["model"]["name"] != LANGUAGE_MODEL):  # Image attacks only.
     out += ROBUSTNESS
   return out
 

@@ -30,6 +30,7 @@ from fake_devices import fake_devices_env
 from vmoe_ext.app import train as loop
 from vmoe_ext.app.context import RunContext
 from vmoe_ext.app.lm_run import LanguageRun
+from vmoe_ext.app.main import run as main_run
 from vmoe_ext.app.schema import validate_config
 from vmoe_ext.errors import ConfigError
 from vmoe_ext.evaluate.final import after_training_hook
@@ -225,6 +226,37 @@ def test_the_checkpoint_scores_as_a_naive_loop_over_blocks(corpus, straight):
           instability["layer_1"], rel=1e-9)
 
 
+def test_evaluate_only_rescores_the_checkpoint_as_training_did(corpus,
+                                                                straight):
+  """`robustness.checkpoint_dir`: the checkpoint's PPL (clean and
+  word-swapped), per-block losses and routing line, written beside the
+  training record, equal the training run's own final evaluation."""
+  workdir, final, _ = straight
+  config = run_config(corpus)
+  config.robustness = {"checkpoint_dir": workdir}
+  report = main_run(config, workdir)
+  out = os.path.join(workdir, "evaluation")
+  assert report == os.path.join(out, "report.md") and os.path.exists(report)
+  records = read_metrics(out)
+  (scores,) = [r for r in records if r["split"] == "test"]
+  assert scores["step"] == 6 and scores["final"]
+  for prefix in SPLIT_KEYS.values():
+    for key in ("loss", "ppl"):
+      assert scores[f"{prefix}{key}"] == final[f"{prefix}{key}"], key
+  trained = dict(np.load(os.path.join(workdir, "per_block.npz")))
+  evaluated = dict(np.load(os.path.join(out, "per_block.npz")))
+  assert sorted(trained) == sorted(evaluated)
+  for split in trained:
+    np.testing.assert_array_equal(evaluated[split], trained[split])
+  (routing,) = [r for r in records if r["split"] == "routing"]
+  (trained_routing,) = [r for r in read_metrics(workdir)
+                        if r["split"] == "routing"]
+  assert routing["layer_1/instability"] == trained_routing[
+      "layer_1/instability"]
+  # The training record is untouched.
+  assert [r["split"] for r in read_metrics(workdir)].count("test") == 2
+
+
 def test_a_resumed_run_is_bit_identical_across_a_restart(corpus, straight,
                                                           tmp_path):
   workdir, final, a = straight
@@ -410,7 +442,17 @@ def test_text_data_and_the_language_model_go_together():
   config.robustness = image.robustness
   with pytest.raises(ConfigError, match="word-swap") as error:
     validate_config(config)
-  assert error.value.field == "robustness"
+  assert error.value.field == "robustness.num_examples"
+  config.robustness = {"attacks": image.robustness.attacks,
+                       "checkpoint_dir": "/somewhere"}
+  with pytest.raises(ConfigError, match="word-swap") as error:
+    validate_config(config)
+  assert error.value.field == "robustness.attacks"
+  # The evaluate-only mode's section names the run to evaluate.
+  config.robustness = {"per_example": False}
+  with pytest.raises(ConfigError) as error:
+    validate_config(config)
+  assert error.value.field == "robustness.checkpoint_dir"
 
 
 def test_paper_settings_resolve_and_need_their_corpus():

@@ -17,7 +17,6 @@ from typing import Any, Optional
 from vmoe_ext.app.context import RunContext
 from vmoe_ext.data.source import DataSource
 from vmoe_ext.errors import require
-from vmoe_ext.evaluate.final import final_evaluations
 from vmoe_ext.reporting.report import listify, write_report
 from vmoe_ext.reporting.writers import MetricWriter, info_line, read_metrics
 from vmoe_ext.train.workdir import WorkdirLock
@@ -94,12 +93,13 @@ def evaluate_checkpoint(config: Any, workdir: str, *,
     # A fresh evaluation: drops earlier evaluation lines (never training
     # lines: a training workdir's evaluation goes to its own folder).
     writer.truncate(keep_lines=0)
-    final = ctx.evaluate()
+    final = ctx.evaluate(final=True)
     writer.write(step, "test", final, final=True)
-    sections = final_evaluations(
-        ctx.model, ctx.state.variables(), ctx.data.test, ctx.config,
-        writer=writer, step=step, workdir=out, records=records,
-        partitioning=ctx.partitioning)
+    # The run's own evaluations after the final one: an image run's routing
+    # analysis and robustness section, a language model's per-block losses
+    # and routing analysis.
+    sections = ctx.final_evaluations(writer=writer, workdir=out,
+                                     records=records)
   final = listify(final)
   final["step"] = step
   write_report(out, final_metrics=final, records=read_metrics(out),

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import jax
@@ -57,6 +58,7 @@ from vmoe_ext.reporting.writers import MetricWriter
 from vmoe_ext.sharding.partitioning import Partitioning
 from vmoe_ext.train.lm_steps import LMTrainState, make_lm_train_step
 from vmoe_ext.train.optimizer import make_learning_rate
+from vmoe_ext.train.state import TrainState
 
 
 class TextSource:
@@ -209,6 +211,25 @@ class LanguageRun(RunContext):
     return ", ".join(parts)
 
   # ------------------------------------------------------------ evaluation
+
+  def open_evaluation(self, source: Optional[str] = None, *,
+                      field: str = "robustness.checkpoint_dir",
+                      step: Optional[int] = None) -> str:
+    """The params and collections of the training workdir `source`'s
+    newest checkpoint (or of `step`), no optimizer and no caches: the
+    evaluation starts every split from zero caches, as the training run's
+    final evaluation does. Returns a line saying what was loaded."""
+    require(source is not None, field,
+            "required: a language model evaluates a training run's "
+            "checkpoint")
+    tokens = jax.ShapeDtypeStruct((1, self.text.block_size), np.int32)
+    cache = jax.eval_shape(lambda: self.model.zero_cache(1))
+    entries, step = self.checkpoint_variables(source, tokens, cache,
+                                              field=field, step=step)
+    self.state = TrainState.for_evaluation(entries["params"],
+                                           entries["collections"], step)
+    return (f"Evaluated checkpoint: step {step} of "
+            f"`{os.path.abspath(source)}`.")
 
   def evaluate(self, model: Any = None, state: Any = None, *,
                final: bool = False) -> dict[str, Any]:

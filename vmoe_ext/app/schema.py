@@ -96,11 +96,10 @@ def _check_language_run(config: Mapping[str, Any]) -> None:
           f"'{TEXT_DATASET_NAME}', got {config['data'].get('name')!r}")
   train = config["train"]
   mixup = fill_defaults(MIXUP, train.get("mixup"))
+  robustness = config.get("robustness")
+  if robustness is not None:
+    _check_lm_evaluation(robustness)
   not_for_lm = (
-      ("robustness", config.get("robustness") is not None,
-       "the image robustness evaluation (attacks, corruptions) does not "
-       "apply to a language model; its word-swap attack is "
-       "data.word_swap_rate; set robustness=None"),
       ("carve", config.get("carve") is not None,
        "carving reads an image model; set carve=None"),
       ("train.mixup", mixup is not None and bool(mixup["concentration"]),
@@ -113,6 +112,26 @@ def _check_language_run(config: Mapping[str, Any]) -> None:
   )
   for field, bad, why in not_for_lm:
     require(not bad, field, why)
+
+
+def _check_lm_evaluation(robustness: Mapping[str, Any]) -> None:
+  """A language model's `robustness` section may only name the checkpoint
+  to evaluate (the evaluate-only mode); the image evaluations (attacks,
+  corruptions, datasets) do not apply to it, and its word-swap attack is
+  `data.word_swap_rate`."""
+  why = ("the image robustness evaluation does not apply to a language "
+         "model (its word-swap attack is data.word_swap_rate); a language "
+         "model's robustness section only sets checkpoint_dir (evaluate "
+         "that run's checkpoint), else set robustness=None")
+  defaults = fill_defaults(ROBUSTNESS, {})
+  values = fill_defaults(ROBUSTNESS, robustness)
+  for key, default in defaults.items():
+    if key not in ("checkpoint_dir", "seed"):
+      require(values[key] == default, f"robustness.{key}", why)
+  require(values["checkpoint_dir"] is not None, "robustness.checkpoint_dir",
+          "required in a language model's robustness section: the workdir "
+          "of the training run to evaluate (or set robustness=None to "
+          "train)")
 
 
 def _check_carve(config: Mapping[str, Any]) -> None:
