@@ -121,3 +121,45 @@ def test_gradients_are_finite_at_perfect_balance():
     return jnp.mean((jnp.std(imp, -1) / jnp.mean(imp, -1))**2)
 
   assert np.any(np.isnan(jax.grad(std_cv)(jnp.zeros((3, 4)))))
+
+
+def _naive_fastmoe_balance(logits, temperature, k):
+  """The language-model gates' `set_load_balance` as a loop over the
+  flattened tokens: scores `softmax(logits / t)`, expert counts over every
+  (token, choice) pair, both divided by the number of pairs."""
+  flat = np.asarray(logits, np.float64).reshape(-1, logits.shape[-1])
+  e = flat.shape[-1]
+  count, prob = np.zeros(e), np.zeros(e)
+  pairs = 0
+  for row in flat:
+    scores = np.exp(row / temperature - np.max(row / temperature))
+    scores /= scores.sum()
+    prob += scores
+    for expert in np.argsort(-row, kind="stable")[:k]:
+      count[expert] += 1
+      pairs += 1
+  return e * np.sum(count / pairs * prob / pairs)
+
+
+def test_fastmoe_balance_loss_matches_the_gates_loop_and_routes_into_aux(rng):
+  logits = jnp.asarray(rng.normal(size=(3, 5, 6)), jnp.float32)
+  for temperature in (1.0, 0.3):
+    routing, metrics = noisy_top_k(
+        logits, None, num_selected=2, noise_std=0.0, renormalize_gates=True,
+        importance_loss_weight=0.0, load_loss_weight=0.0,
+        balance_loss_weight=0.01, balance_temperature=temperature)
+    expected = _naive_fastmoe_balance(np.asarray(logits), temperature, 2)
+    np.testing.assert_allclose(metrics["balance_loss"], expected, rtol=1e-5)
+    np.testing.assert_allclose(metrics["auxiliary_loss"], 0.01 * expected,
+                               rtol=1e-5)
+  # Perfect balance (uniform scores, every expert picked equally): 1 / K.
+  uniform = jnp.zeros((1, 4, 4))
+  idx = jnp.array([[[0, 1], [2, 3], [0, 1], [2, 3]]])
+  np.testing.assert_allclose(
+      losses.fastmoe_balance_loss(jax.nn.softmax(uniform), idx), 0.5,
+      rtol=1e-6)
+  # Off (weight 0): no metric, nothing added.
+  _, metrics = noisy_top_k(logits, None, num_selected=2, noise_std=0.0,
+                           importance_loss_weight=0.0, load_loss_weight=0.0)
+  assert "balance_loss" not in metrics and float(
+      metrics["auxiliary_loss"]) == 0.0

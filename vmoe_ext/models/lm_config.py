@@ -31,12 +31,13 @@ LM_ROUTER: dict[str, Any] = {
 # to 8 dimensions (not normalised), cosine with the normalised expert
 # embeddings (orthogonal, gain 0.32), no temperature, top-2, softmax over the
 # two. (Their gate also holds an unused `Linear(D, E)`, not allocated here.)
+# Its balance loss, when switched on, scores `softmax(logits / 0.3)`.
 LM_XMOE_ROUTER: dict[str, Any] = {
     "name": "cosine", "num_selected": 2, "projection_dim": 8,
     "normalize_tokens": False, "temperature": 1.0,
     "learnable_temperature": False, "renormalize_gates": True,
     "noise_std": 0.0, "importance_loss_weight": 0.0,
-    "load_loss_weight": 0.0}
+    "load_loss_weight": 0.0, "balance_temperature": 0.3}
 # The `moe` defaults of the backbone (the other fields: `MOE_DEFAULTS`):
 # fastmoe's dropless layer, dropout after the expert activation only.
 # capacity_factor None: no drop with a capacity dispatcher either (see

@@ -66,6 +66,28 @@ def gshard_loss(gates: Array, top1_expert: Array) -> Array:
   return jnp.mean(per_group)
 
 
+def fastmoe_balance_loss(scores: Array, top_idx: Array) -> Array:
+  """The balance loss of the MoE language-model gates built on fastmoe
+  (their `set_load_balance`): `E * sum_e f_e * p_e` over every token of the
+  batch (not per group), where `f_e` counts the (token, choice) pairs that
+  picked expert e, `p_e` sums the scores of expert e, both divided by the
+  number of pairs N K. Equals 1 / K at perfect balance.
+
+  Args:
+    scores: `[G, S, E]` the gate's full softmax (of its logits over a
+      temperature).
+    top_idx: `[G, S, K]` int, the selected experts; `f` is not
+      differentiated (it counts).
+  """
+  num_experts = scores.shape[-1]
+  pairs = top_idx.size
+  counts = jnp.sum(jax.nn.one_hot(top_idx, num_experts, dtype=scores.dtype),
+                   axis=tuple(range(top_idx.ndim)))
+  frac = jax.lax.stop_gradient(counts / pairs)
+  prob = jnp.sum(scores, axis=tuple(range(scores.ndim - 1))) / pairs
+  return num_experts * jnp.sum(frac * prob)
+
+
 def tutel_cv_squared(values: Array, axis: int = -1) -> Array:
   """tutel's `v.var() / (v.mean()**2 + 1e-10)` along `axis`.
 

@@ -37,8 +37,10 @@ def noisy_top_k(logits: Array,
                 importance_loss_weight: float = 0.005,
                 load_loss_weight: float = 0.005,
                 gshard_loss_weight: float = 0.0,
-                z_loss_weight: float = 0.0) -> tuple[TokenChoiceRouting,
-                                                     Metrics]:
+                z_loss_weight: float = 0.0,
+                balance_loss_weight: float = 0.0,
+                balance_temperature: float = 1.0
+                ) -> tuple[TokenChoiceRouting, Metrics]:
   """Top-k routing of V-MoE from router logits.
 
   Args:
@@ -56,6 +58,10 @@ def noisy_top_k(logits: Array,
       (`softmax(l + eps)`, the V-MoE paper's appendix Eq. 11, "in practice
       noisy") for the importance loss.
     *_loss_weight: weights of the auxiliary losses in `auxiliary_loss`.
+    balance_temperature: the MoE language-model gates' balance loss
+      (`losses.fastmoe_balance_loss`, weight `balance_loss_weight`) scores
+      `softmax(logits / balance_temperature)` (their SMoE gate: 1, their
+      XMoE gates: 0.3); computed only when its weight is not 0.
 
   Returns:
     routing: `TokenChoiceRouting` with `[G, S, K]` indices and gates.
@@ -84,6 +90,11 @@ def noisy_top_k(logits: Array,
                          + load_loss_weight * load
                          + gshard_loss_weight * gshard + z_loss_weight * z),
   }
+  if balance_loss_weight:
+    balance = losses.fastmoe_balance_loss(
+        jax.nn.softmax(logits / balance_temperature), top_idx)
+    metrics["balance_loss"] = balance
+    metrics["auxiliary_loss"] += balance_loss_weight * balance
   return TokenChoiceRouting.create(top_idx, top_gates), metrics
 
 
@@ -94,7 +105,8 @@ class NoisyTopKRouter(Router):
     num_selected: K, experts per token.
     noise_std: vmoe's convention; the actual std is `noise_std / E`. Noise is
       drawn from the "gating" rng stream in training only.
-    renormalize_gates, importance_gates, *_loss_weight: see `noisy_top_k`.
+    renormalize_gates, importance_gates, *_loss_weight,
+      balance_temperature: see `noisy_top_k`.
     logits_bias: add a learned bias `[E]` (starting at 0) to the linear
       logits, `x W + b`: the gate of ACMoE's language-model code
       (`--smoe-base`, a torch `Linear` with its bias). Off by default (V-MoE's
@@ -109,6 +121,8 @@ class NoisyTopKRouter(Router):
   load_loss_weight: float = 0.005
   gshard_loss_weight: float = 0.0
   z_loss_weight: float = 0.0
+  balance_loss_weight: float = 0.0
+  balance_temperature: float = 1.0
   logits_bias: bool = False
   dtype: Any = jnp.float32
 
@@ -129,9 +143,12 @@ class NoisyTopKRouter(Router):
             "router.importance_gates",
             f"must be one of {IMPORTANCE_GATES}, got {self.importance_gates!r}")
     for field in ("importance_loss_weight", "load_loss_weight",
-                  "gshard_loss_weight", "z_loss_weight"):
+                  "gshard_loss_weight", "z_loss_weight",
+                  "balance_loss_weight"):
       value = getattr(self, field)
       require(value >= 0, f"router.{field}", f"must be >= 0, got {value}")
+    require(self.balance_temperature > 0, "router.balance_temperature",
+            f"must be > 0, got {self.balance_temperature}")
     super().__post_init__()
 
   @property
@@ -173,4 +190,6 @@ class NoisyTopKRouter(Router):
         importance_loss_weight=self.importance_loss_weight,
         load_loss_weight=self.load_loss_weight,
         gshard_loss_weight=self.gshard_loss_weight,
-        z_loss_weight=self.z_loss_weight)
+        z_loss_weight=self.z_loss_weight,
+        balance_loss_weight=self.balance_loss_weight,
+        balance_temperature=self.balance_temperature)
