@@ -21,6 +21,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from vmoe_ext.models.attention import flax_attention_fn
 from vmoe_ext.moe.experts import DenseMlp
 
 Array = jax.Array
@@ -41,7 +42,8 @@ class MapHead(nn.Module):
   """Multi-head attention pooling: `[B, T, D]` -> `[B, D]`.
 
   A probe `[1, 1, D]` (Xavier uniform) queries the tokens with multi-head
-  attention (`MultiHeadDotProductAttention`, no dropout); its output `z`
+  attention (`MultiHeadDotProductAttention`, no dropout; its attention
+  function is `model.attention`'s, `vmoe_ext.models.attention`); its output `z`
   becomes `z + Mlp(LayerNorm(z))`. Parameter names follow vmoe's `MapHead`.
   """
   num_heads: int
@@ -50,6 +52,7 @@ class MapHead(nn.Module):
   kernel_init: str = "xavier_uniform"
   activation: str = "gelu"
   dtype: Any = jnp.float32
+  attention: str = "plain"
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
@@ -59,6 +62,7 @@ class MapHead(nn.Module):
     z = nn.MultiHeadDotProductAttention(
         num_heads=self.num_heads, normalize_qk=self.qk_norm,
         kernel_init=ATTENTION_KERNEL_INITS[self.kernel_init],
+        attention_fn=flax_attention_fn(self.attention),
         deterministic=True, dtype=self.dtype,
         name="MultiHeadDotProductAttention")(probe, x)
     y = nn.LayerNorm(name="LayerNorm", dtype=self.dtype)(z)
@@ -73,8 +77,8 @@ def classifier_head(x: Array, *, num_classes: int, classifier: str,
                     head_bias_init: float = 0.0, num_heads: int = 1,
                     mlp_dim: int = 1, attention_qk_norm: bool = False,
                     attention_kernel_init: str = "xavier_uniform",
-                    activation: str = "gelu", dtype: Any = jnp.float32
-                    ) -> Array:
+                    activation: str = "gelu", dtype: Any = jnp.float32,
+                    attention: str = "plain") -> Array:
   """Pooling, optional pre-logits and the head: `[B, T, D]` -> `[B, C]`.
 
   Call it inside a module's compact method: its submodules (`MapHead`,
@@ -87,7 +91,7 @@ def classifier_head(x: Array, *, num_classes: int, classifier: str,
     x = jnp.mean(x, axis=1)
   else:  # "map"
     x = MapHead(num_heads, mlp_dim, attention_qk_norm, attention_kernel_init,
-                activation, dtype, name="MapHead")(x)
+                activation, dtype, attention=attention, name="MapHead")(x)
   if representation_size is not None:
     x = jnp.tanh(nn.Dense(representation_size, dtype=dtype,
                           name="pre_logits")(x))

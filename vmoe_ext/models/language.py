@@ -149,6 +149,11 @@ class LanguageModel(nn.Module):
       `vmoe_ext.models.lm_init`) or "framework" (the shared modules' own
       initialisers, vmoe's).
     state_axis_name, expert_parallel, dtype: as `VisionTransformerMoe`'s.
+    attention: "plain" only. The cached attention's key position term
+      `q . key_pe` depends on the query, so as a `jax.nn.dot_product_attention`
+      bias it would be the whole `[B, N, M, L+M]` score matrix (plus the
+      band mask): no fused form saves anything, and "fused" / "cudnn" are a
+      ConfigError.
 
   `__call__(tokens, cache)` returns `(log_probs [B, M, V], new_cache,
   metrics)`: `cache` and `new_cache` are tuples with one `[B, L, D]` array
@@ -173,8 +178,14 @@ class LanguageModel(nn.Module):
   state_axis_name: Optional[str] = None
   expert_parallel: Optional[ExpertParallel] = None
   dtype: Any = jnp.float32
+  attention: str = "plain"
 
   def __post_init__(self):
+    require(self.attention == "plain", "attention",
+            f"the language model's cached attention has only the 'plain' "
+            f"form (its key position term depends on the query, so no fused "
+            f"kernel's bias can hold it without the full score matrix), got "
+            f"{self.attention!r}")
     for field in ("vocab_size", "hidden_size", "inner_hidden_size",
                   "num_heads", "num_layers", "attn_span"):
       value = getattr(self, field)

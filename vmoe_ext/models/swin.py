@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from vmoe_ext.errors import require
+from vmoe_ext.models.attention import check_attention
 from vmoe_ext.models.heads import classifier_head
 from vmoe_ext.models.sublayer import (DEFAULT_STREAM, check_moe_placement,
                                       check_stream_placement, mlp_sublayer,
@@ -69,6 +70,7 @@ class SwinBlock(nn.Module):
   attention_dropout_rate: float = 0.0
   qkv_bias: bool = True
   relative_position_bias: str = "table"
+  attention: str = "plain"
   mlp_activation: str = "gelu_exact"
   mlp_fc2_bias: bool = True
   layer_norm_epsilon: float = 1e-5
@@ -93,7 +95,8 @@ class SwinBlock(nn.Module):
         self.num_heads, self.window, qkv_bias=self.qkv_bias,
         position_bias=self.relative_position_bias,
         attention_dropout_rate=self.attention_dropout_rate,
-        dropout_rate=self.dropout_rate, dtype=self.dtype, name="Attention")(
+        dropout_rate=self.dropout_rate, dtype=self.dtype,
+        attention=self.attention, name="Attention")(
             window_partition(y, self.window), mask,
             deterministic=deterministic)
     y = cyclic_shift(window_reverse(y, self.window, gh, gw), -self.shift)
@@ -150,6 +153,9 @@ class SwinTransformerMoe(nn.Module):
     relative_position_bias: "table" (the paper's learned `[(2M-1)^2, h]`
       table) or "log_cpb" (the Swin-MoE release's MLP of log-spaced
       offsets, `swin_attention.WindowAttention`).
+    attention: "plain" (the explicit softmax), "fused" or "cudnn"
+      (`jax.nn.dot_product_attention` with the position bias and shift mask
+      as its bias, `vmoe_ext.models.attention`); same parameters and values.
     patch_norm: a LayerNorm after the patch embedding.
     absolute_position_emb: a learned position embedding added to the patch
       tokens (the reference's `ape`; off by default).
@@ -188,6 +194,7 @@ class SwinTransformerMoe(nn.Module):
   mlp_ratio: float = 4.0
   qkv_bias: bool = True
   relative_position_bias: str = "table"
+  attention: str = "plain"
   patch_norm: bool = True
   absolute_position_emb: bool = False
   dropout_rate: float = 0.0
@@ -243,6 +250,11 @@ class SwinTransformerMoe(nn.Module):
     require(self.layer_norm_epsilon > 0, "layer_norm_epsilon",
             f"must be positive, got {self.layer_norm_epsilon}")
     check_activation(self.mlp_activation)
+    check_attention(self.attention, dtype=self.dtype,
+                    head_dims=tuple(self.embed_dim * 2 ** s // h
+                                    for s, h in enumerate(heads)),
+                    attention_dropout_rate=self.attention_dropout_rate,
+                    bias_lengths=(self.window_size ** 2,))
     stages = self._local_moe_blocks(depths)
     moe = moe_config(self.moe)
     stream = dict(self.stream or DEFAULT_STREAM)
@@ -399,6 +411,7 @@ class SwinTransformerMoe(nn.Module):
             attention_dropout_rate=self.attention_dropout_rate,
             qkv_bias=self.qkv_bias,
             relative_position_bias=self.relative_position_bias,
+            attention=self.attention,
             mlp_activation=self.mlp_activation,
             mlp_fc2_bias=self.mlp_fc2_bias,
             layer_norm_epsilon=self.layer_norm_epsilon,

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vmoe_ext.models.attention import dot_product_attention
 from vmoe_ext.models.swin_window import relative_position_index
 
 Array = jax.Array
@@ -54,6 +55,9 @@ class WindowAttention(nn.Module):
     position_bias: "table" or "log_cpb".
     attention_dropout_rate: dropout on the attention weights.
     dropout_rate: dropout after the output projection.
+    attention: "plain" (the einsums below) or "fused" / "cudnn"
+      (`jax.nn.dot_product_attention` with the position bias and the shift
+      mask summed into its `bias`, `vmoe_ext.models.attention`).
   """
   num_heads: int
   window: int
@@ -62,6 +66,7 @@ class WindowAttention(nn.Module):
   attention_dropout_rate: float = 0.0
   dropout_rate: float = 0.0
   dtype: Any = jnp.float32
+  attention: str = "plain"
 
   def bias(self) -> Array:
     """`[h, N, N]` float32 relative position bias."""
@@ -88,21 +93,44 @@ class WindowAttention(nn.Module):
     h = self.num_heads
     qkv = nn.Dense(3 * c, use_bias=self.qkv_bias, kernel_init=SWIN_INIT,
                    dtype=self.dtype, name="qkv")(x)
-    qkv = qkv.reshape(w, n, 3, h, c // h).transpose(2, 0, 3, 1, 4)
-    q, k, v = qkv[0], qkv[1], qkv[2]                      # [W, h, N, C/h]
-    q = q * (c // h) ** -0.5
-    logits = jnp.einsum("whnd,whmd->whnm", q, k).astype(jnp.float32)
-    logits = logits + self.bias()[None]
-    if mask is not None:
-      nw = mask.shape[0]
-      logits = (logits.reshape(w // nw, nw, h, n, n)
-                + jnp.asarray(mask)[None, :, None]).reshape(w, h, n, n)
-    weights = jax.nn.softmax(logits, axis=-1).astype(x.dtype)
-    weights = nn.Dropout(self.attention_dropout_rate)(
-        weights, deterministic=deterministic)
-    y = jnp.einsum("whnm,whmd->wnhd", weights, v).reshape(w, n, c)
+    if self.attention != "plain":
+      y = self.fused(qkv, mask)
+    else:
+      qkv = qkv.reshape(w, n, 3, h, c // h).transpose(2, 0, 3, 1, 4)
+      q, k, v = qkv[0], qkv[1], qkv[2]                    # [W, h, N, C/h]
+      q = q * (c // h) ** -0.5
+      logits = jnp.einsum("whnd,whmd->whnm", q, k).astype(jnp.float32)
+      logits = logits + self.bias()[None]
+      if mask is not None:
+        nw = mask.shape[0]
+        logits = (logits.reshape(w // nw, nw, h, n, n)
+                  + jnp.asarray(mask)[None, :, None]).reshape(w, h, n, n)
+      weights = jax.nn.softmax(logits, axis=-1).astype(x.dtype)
+      weights = nn.Dropout(self.attention_dropout_rate)(
+          weights, deterministic=deterministic)
+      y = jnp.einsum("whnm,whmd->wnhd", weights, v).reshape(w, n, c)
     y = nn.Dense(c, kernel_init=SWIN_INIT, dtype=self.dtype, name="proj")(y)
     return nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
+
+  def fused(self, qkv: Array, mask: Optional[Array]) -> Array:
+    """`[W, N, 3C]` -> `[W, N, C]` by `jax.nn.dot_product_attention`.
+
+    The bias is the position bias `[1, h, N, N]`; with a mask `[nW, N, N]`
+    it becomes `[W, h, N, N]`, a broadcast over the images that XLA fuses
+    into the softmax (cuDNN receives it materialised, the size of the
+    logits).
+    """
+    w, n, c3 = qkv.shape
+    h, c = self.num_heads, c3 // 3
+    q, k, v = qkv.reshape(w, n, 3, h, c // h).transpose(2, 0, 1, 3, 4)
+    bias = self.bias()[None]                               # [1, h, N, N]
+    if mask is not None:
+      nw = mask.shape[0]
+      bias = bias + jnp.asarray(mask)[:, None]             # [nW, h, N, N]
+      bias = jnp.broadcast_to(bias[None], (w // nw, nw, h, n, n)
+                              ).reshape(w, h, n, n)
+    y = dot_product_attention(q, k, v, bias, attention=self.attention)
+    return y.reshape(w, n, c)
 
 
 class DropPath(nn.Module):

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from vmoe_ext.errors import require
+from vmoe_ext.models.attention import check_attention, flax_attention_fn
 from vmoe_ext.models.heads import (ATTENTION_KERNEL_INITS, CLASSIFIERS,
                                    classifier_head, has_class_token)
 from vmoe_ext.models.placement import resolve_moe_layers
@@ -50,6 +51,7 @@ class EncoderBlock(nn.Module):
   attention_qk_norm: bool = False
   attention_kernel_init: str = "xavier_uniform"
   attention_broadcast_dropout: bool = False
+  attention: str = "plain"
   moe: Optional[Mapping[str, Any]] = None  # filled by `moe_config`
   stream: Mapping[str, Any] = dataclasses.field(
       default_factory=lambda: dict(DEFAULT_STREAM))
@@ -67,6 +69,7 @@ class EncoderBlock(nn.Module):
         broadcast_dropout=self.attention_broadcast_dropout,
         kernel_init=ATTENTION_KERNEL_INITS[self.attention_kernel_init],
         normalize_qk=self.attention_qk_norm,
+        attention_fn=flax_attention_fn(self.attention),
         deterministic=deterministic, dtype=self.dtype, name="Attention")(y, y)
     y = nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
     x = x + y
@@ -106,6 +109,9 @@ class VisionTransformerMoe(nn.Module):
       (flax's default) for the q/k/v/out kernels.
     attention_qk_norm: LayerNorm (no bias) on queries and keys per head
       (flax's `normalize_qk`, vmoe's `attention_qk_norm`).
+    attention: "plain" (flax's attention), "fused" or "cudnn"
+      (`jax.nn.dot_product_attention`, `vmoe_ext.models.attention`), for
+      the encoder blocks and the "map" head; same parameters, same values.
     mlp_activation: "gelu" (ViT's tanh approximation, the default),
       "gelu_exact" (the erf form, torch's `nn.GELU()`), "relu", or "swiglu"
       (gated: `silu(x W_0) * (x W_up)`, a third kernel `Dense_up`), for the
@@ -148,6 +154,7 @@ class VisionTransformerMoe(nn.Module):
   attention_broadcast_dropout: bool = False
   attention_kernel_init: str = "xavier_uniform"
   attention_qk_norm: bool = False
+  attention: str = "plain"
   mlp_activation: str = "gelu"
   moe: Optional[Mapping[str, Any]] = None
   stream: Optional[Mapping[str, Any]] = None
@@ -177,6 +184,9 @@ class VisionTransformerMoe(nn.Module):
       rate = getattr(self, field)
       require(0.0 <= rate < 1.0, field, f"must be in [0, 1), got {rate}")
     check_activation(self.mlp_activation)
+    check_attention(self.attention, dtype=self.dtype,
+                    head_dims=(self.hidden_size // self.num_heads,),
+                    attention_dropout_rate=self.attention_dropout_rate)
     require(self.representation_size is None
             or (isinstance(self.representation_size, int)
                 and self.representation_size > 0), "representation_size",
@@ -272,6 +282,7 @@ class VisionTransformerMoe(nn.Module):
           attention_qk_norm=self.attention_qk_norm,
           attention_kernel_init=self.attention_kernel_init,
           attention_broadcast_dropout=self.attention_broadcast_dropout,
+          attention=self.attention,
           moe=self.moe if block in moe_layers else None, stream=self.stream,
           dtype=self.dtype, expert_parallel=self.expert_parallel,
           name=param_name(block))(
@@ -287,6 +298,7 @@ class VisionTransformerMoe(nn.Module):
         head_bias_init=self.head_bias_init, num_heads=self.num_heads,
         mlp_dim=self.mlp_dim, attention_qk_norm=self.attention_qk_norm,
         attention_kernel_init=self.attention_kernel_init,
+        attention=self.attention,
         activation=self.mlp_activation, dtype=self.dtype)
     metrics["auxiliary_loss"] = sum(
         (m["auxiliary_loss"] for m in metrics.values()),
