@@ -32,7 +32,8 @@ Settings (`vmoe_ext.models.lm_settings.SETTINGS`; docs/language_model.md):
 Methods (any that combine):
   acmoe     the ACMoE authors' layers: the Adaptive Clustering router
             (`c` letters) after the first MoE layers, their placement per
-            setting (`ACMOE_ARCHITECTURES`).
+            setting (`ACMOE_ARCHITECTURES`); non-causal as theirs, the
+            causal variant with `--config.model.ac_router.causal=True`.
   momentum  MomentumSMoE: every MoE layer through the heavy-ball stream
             (`m` letters; mu 0.7, gamma 1.0).
   adam      AdamSMoE: `a` letters (Adam in the first MoE layer, heavy-ball
@@ -55,7 +56,8 @@ import ml_collections
 
 from vmoe_ext.errors import ConfigError
 from vmoe_ext.models.lm_arch import default_architecture
-from vmoe_ext.models.lm_config import LM_ROUTER, LM_XMOE_ROUTER
+from vmoe_ext.models.lm_config import (LM_AC_ROUTER, LM_ROUTER,
+                                       LM_XMOE_ROUTER)
 from vmoe_ext.models.lm_settings import SETTINGS
 
 FIELD = "--config"
@@ -128,6 +130,8 @@ def model_config(setting, methods):
                                           model["num_layers"])
     architecture = architecture.replace("g", letter)
   model["architecture"] = architecture
+  if "acmoe" in methods:  # The authors' AC gate, its fields overridable.
+    model["ac_router"] = {**LM_AC_ROUTER, "causal": False}
   router = dict(LM_XMOE_ROUTER if "xmoe" in methods else LM_ROUTER)
   if "symphony" in methods:
     router = {"name": "symphony", "base": router}

@@ -109,6 +109,33 @@ def test_mix_k_matches_the_naive_loop(rng, k, mix_k, weights):
   np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dispersion", ["mad", "variance"])
+def test_causal_scaling_is_the_naive_loop_over_each_prefix(rng, dispersion):
+  """`causal_adaptive_scales`: position t of every row is scaled by the
+  naive statistics of the tokens at positions <= t of all rows (an empty
+  cluster, clusters of one token early on, invalid second choices, the
+  language preset's clamp and Mix-2)."""
+  g, s, k = 3, 5, 2
+  tokens = rng.normal(size=(g * s, D)).astype(np.float32)
+  idx, gates, valid = _previous(rng, g * s, k)
+  opts = ac.resolve_options("language", dispersion, mix_k=2)
+  got = np.asarray(ac.causal_adaptive_scales(
+      jnp.asarray(tokens.reshape(g, s, D)),
+      jnp.asarray(idx.reshape(g, s, k)), jnp.asarray(gates.reshape(g, s, k)),
+      jnp.asarray(valid.reshape(g, s, k)), num_clusters=E,
+      opts=opts)).reshape(g * s, D)
+  position = np.tile(np.arange(s), g)
+  for t in range(s):
+    seen = position <= t
+    top1 = np.where(valid[seen, 0], idx[seen, 0], -1)
+    w = naive.ac_cluster_weights(tokens[seen], top1, E, dispersion,
+                                 opts.eps, opts.clamp, opts.mean)
+    now = position == t
+    expected = naive.ac_token_scales(w, idx[now], gates[now], valid[now], 2,
+                                     opts.mix_weights)
+    np.testing.assert_allclose(got[now], expected, rtol=2e-5, atol=1e-6)
+
+
 def test_no_gradient_through_the_scaling(rng):
   tokens = jnp.asarray(rng.normal(size=(9, D)), jnp.float32)
   idx, gates, valid = _previous(rng, 9, 2)

@@ -21,6 +21,7 @@ from vmoe_ext.errors import ConfigError, InputError, field_scope
 from vmoe_ext.models import language
 from vmoe_ext.models.language import (LM_ROUTER, LM_XMOE_ROUTER,
                                      LanguageModel)
+from vmoe_ext.models.lm_config import LM_AC_ROUTER
 from vmoe_ext.models.lm_arch import (LayerSpec, default_architecture,
                                      parse_architecture)
 from vmoe_ext.models.lm_init import authors_initialization
@@ -37,6 +38,8 @@ def make_model(architecture, base_arch="transformer", router=None,
   # computes what the default "dropless" dispatcher does, and its eager
   # primitives compile faster; the Switch case below runs "dropless".
   moe = {"num_experts": 4, "dispatcher": dispatcher}
+  if "moe_group_size" in fields:
+    moe["group_size"] = fields.pop("moe_group_size")
   if router is not None:
     moe["router"] = router
   layers = len(architecture) // (2 if base_arch == "transformer" else 4)
@@ -190,6 +193,18 @@ def test_the_ac_layer_pools_the_whole_block_as_the_authors_code():
     assert float(metrics["auxiliary_loss"]) == 0.0, architecture
   assert moved["sgsg"] == 0.0
   assert moved["sgsc"] > 0.0
+  # `ac_router.causal`: the AC layer pools positions <= t only, so a later
+  # token moves no earlier prediction, the last position's still move.
+  model = make_model("sgsc", ac_router={**LM_AC_ROUTER, "causal": True})
+  variables = random_variables(model, seed=5)
+  a = model.apply(variables, block, model.zero_cache(B))[0]
+  b = model.apply(variables, later, model.zero_cache(B))[0]
+  assert float(jnp.max(jnp.abs(a - b)[:, :-1])) == 0.0
+  assert float(jnp.max(jnp.abs(a - b)[:, -1])) > 0.0
+  with pytest.raises(ConfigError) as error:
+    make_model("sgsc", ac_router={**LM_AC_ROUTER, "causal": True},
+               moe_group_size=4)
+  assert error.value.field == "moe.group_size"
 
 
 # --------------------------------------------------------------------------

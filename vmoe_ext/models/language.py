@@ -206,7 +206,8 @@ class LanguageModel(nn.Module):
     specs = parse_architecture(architecture, self.base_arch, self.num_layers)
     moe = lm_moe_config(self.moe)
     stream = resolve_stream(self.stream, specs)
-    ac_router = resolve_ac_router(self.ac_router, blocks_of(specs, "c"))
+    ac_router = resolve_ac_router(self.ac_router, blocks_of(specs, "c"),
+                                  moe["group_size"])
     stage = (moe_blocks(specs),)
     # Everything is validated now, before any tracing (the stream's
     # placement too, by `check_moe_placement`).

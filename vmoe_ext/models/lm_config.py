@@ -120,8 +120,12 @@ def resolve_stream(stream: Optional[Mapping[str, Any]],
 
 
 def resolve_ac_router(ac_router: Optional[Mapping[str, Any]],
-                      c_blocks: tuple[int, ...]) -> Optional[dict[str, Any]]:
-  """The router of the `c` layers, placed on them (None without `c`)."""
+                      c_blocks: tuple[int, ...],
+                      group_size: Optional[int] = None
+                      ) -> Optional[dict[str, Any]]:
+  """The router of the `c` layers, placed on them (None without `c`); a
+  causal one needs each routing group to be one row of the block
+  (`moe.group_size` None), so that a group's positions are time."""
   if not c_blocks:
     require(ac_router is None, "ac_router",
             "routes the 'c' sub-layers, and the architecture has none")
@@ -136,6 +140,10 @@ def resolve_ac_router(ac_router: Optional[Mapping[str, Any]],
                                 f"blocks {c_blocks}; leave it unset (got "
                                 f"{layers!r})")
     router["layers"] = c_blocks
+  require(not router.get("causal") or group_size is None, "moe.group_size",
+          f"ac_router.causal needs one row of the block per routing group "
+          f"(the positions of a group are time); leave it None, got "
+          f"{group_size}")
   return router
 
 

@@ -137,6 +137,13 @@ class ACMoERouter(WrapperRouter):
     transform: "adaptive" (the AC transform) or "random" (the ablation:
       one diagonal `max(N(1, 0.5), 0)` per layer, fixed by `random_seed`).
     random_seed: seed of the random-diagonal ablation.
+    causal: False (the authors' code, and the paper): the cluster
+      statistics pool every token the layer sees, so in a language model a
+      token's routing depends on later tokens of the block. True: the token
+      at position s of its group is scaled by statistics of positions <= s
+      of every group only (`adaptive_clustering.causal_adaptive_scales`);
+      for the language model, whose groups are its rows (one row of a block
+      per group), this makes the AC layer causal.
   """
   base: Mapping[str, Any] = dataclasses.field(
       default_factory=lambda: {"name": "noisy_topk", "num_selected": 2})
@@ -152,6 +159,7 @@ class ACMoERouter(WrapperRouter):
   layers: Union[str, tuple[int, ...]] = ac.PRESET
   transform: str = "adaptive"
   random_seed: int = 0
+  causal: bool = False
 
   def __post_init__(self):
     opts = self.options
@@ -160,6 +168,8 @@ class ACMoERouter(WrapperRouter):
     require(isinstance(self.random_seed, int) and self.random_seed >= 0,
             "router.random_seed", f"must be an integer >= 0, got "
             f"{self.random_seed!r}")
+    require(isinstance(self.causal, bool), "router.causal",
+            f"must be True or False, got {self.causal!r}")
     if isinstance(self.placement, str):  # Checks the name only.
       resolve_ac_layers(self.placement, tuple(range(8)))
     base = self.base_prototype()
@@ -226,8 +236,10 @@ class ACMoERouter(WrapperRouter):
       return ctx.previous is not None
     return ctx.block in _stage_ac_layers(self.placement, ctx.moe_blocks)
 
-  def scale_tokens(self, tokens: Array, ctx: RoutingContext) -> Array:
-    """`[N, D]` statistic tokens -> `[N, D]` scaled tokens (this layer's)."""
+  def scale_tokens(self, tokens: Array, ctx: RoutingContext,
+                   groups: Optional[tuple[int, int]] = None) -> Array:
+    """`[N, D]` statistic tokens -> `[N, D]` scaled tokens (this layer's);
+    `groups`: `(G, S)` with N = G * S row-major, for `causal`."""
     prev = ctx.records[-1] if ctx.records else None
     require(prev is not None, "router.layers",
             f"block {ctx.block} has no MoE layer before it: an AC "
@@ -249,10 +261,17 @@ class ACMoERouter(WrapperRouter):
                                          d)[None, :]
     k = a.num_selected
     e = prev.num_experts if prev.num_experts > 0 else self.num_experts
-    m = ac.adaptive_scales(
-        tokens, a.expert_indices.reshape(n, k), a.gates.reshape(n, k),
-        a.valid.reshape(n, k), num_clusters=e, opts=opts,
-        reduce=ctx.reduce_mean)
+    if self.causal:
+      g, s = groups
+      m = ac.causal_adaptive_scales(
+          tokens.reshape(g, s, d), a.expert_indices.reshape(g, s, k),
+          a.gates.reshape(g, s, k), a.valid.reshape(g, s, k),
+          num_clusters=e, opts=opts, reduce=ctx.reduce_mean).reshape(n, d)
+    else:
+      m = ac.adaptive_scales(
+          tokens, a.expert_indices.reshape(n, k), a.gates.reshape(n, k),
+          a.valid.reshape(n, k), num_clusters=e, opts=opts,
+          reduce=ctx.reduce_mean)
     return tokens * m
 
   @nn.compact
@@ -271,7 +290,7 @@ class ACMoERouter(WrapperRouter):
     tokens = x.reshape(g * s, d).astype(jnp.float32)
     if opts.l2_normalize:
       tokens = l2_normalize(tokens, axis=-1)
-    scaled = self.scale_tokens(tokens, ctx).reshape(g, s, d)
+    scaled = self.scale_tokens(tokens, ctx, (g, s)).reshape(g, s, d)
     out = base(scaled.astype(x.dtype), ctx, **kwargs)
     if opts.scaled_to == "router":  # What the base alone would dispatch.
       raw = (l2_normalize(x.astype(jnp.float32), axis=-1)

@@ -254,6 +254,55 @@ def adaptive_scales(tokens: Array, indices: Array, gates: Array, valid: Array,
   return jax.lax.stop_gradient(jnp.where(has_any, m, 1.0))
 
 
+def causal_adaptive_scales(tokens: Array, indices: Array, gates: Array,
+                           valid: Array, *, num_clusters: int,
+                           opts: ACOptions, reduce: Reduce = None) -> Array:
+  """`adaptive_scales` where the token at position t sees only positions
+  <= t: `[G, S, D]` tokens (G rows, S positions, e.g. a language model's
+  rows of a block), `[G, S, K]` assignment; returns `m [G, S, D]`.
+
+  The statistics of position t pool the tokens of every row at positions
+  0..t (cluster means and dispersions from those only), so nothing a token
+  is scaled by depends on a later token; at the last position they are the
+  whole batch's, as `adaptive_scales`'s. Cost: one pass over the tokens per
+  position (O(G S^2 D)), against O(G S D) for the pooled statistics.
+  """
+  tokens = jax.lax.stop_gradient(tokens).astype(jnp.float32)
+  g, s, d = tokens.shape
+  k = indices.shape[-1]
+  top1 = jnp.where(valid[..., 0], indices[..., 0], -1)  # [G, S]
+  one_hot = (top1[..., None] == jnp.arange(num_clusters)).astype(
+      jnp.float32)  # [G, S, E]
+  reduce = reduce or (lambda v: v)
+  hi = jax.lax.Precision.HIGHEST
+  counts = reduce(jnp.cumsum(jnp.sum(one_hot, axis=0), axis=0))  # [S, E]
+  denom = jnp.where(counts > 0, counts, 1.0)[..., None]  # [S, E, 1]
+  sums = reduce(jnp.cumsum(jnp.einsum("gse,gsd->sed", one_hot, tokens,
+                                      precision=hi), axis=0))
+  mean = sums / denom  # [S, E, D]: cluster means over positions <= t.
+  positions = jnp.arange(s)
+  segment = jnp.where(top1 < 0, num_clusters, top1).reshape(g * s)
+
+  def spread_at(t: Array) -> Array:  # [E, D] over positions <= t.
+    centre = mean[t][jnp.maximum(top1, 0)]  # [G, S, D]; -1 masked below.
+    seen = (positions <= t).astype(jnp.float32)[None, :, None]
+    deviation = tokens - centre
+    deviation = (jnp.abs(deviation) if opts.dispersion == "mad"
+                 else jnp.square(deviation)) * seen
+    per_cluster = jax.ops.segment_sum(  # Cluster -1 -> segment E, dropped.
+        deviation.reshape(g * s, d), segment, num_segments=num_clusters + 1)
+    return reduce(per_cluster[:num_clusters]) / denom[t]
+
+  spread = jax.lax.map(spread_at, positions)  # [S, E, D]
+  w = jax.vmap(lambda v: cluster_weights(v, opts))(spread)  # [S, E, D]
+  mix = mixing_matrix(indices.reshape(g * s, k), gates.reshape(g * s, k),
+                      valid.reshape(g * s, k), num_clusters, opts.mix_k,
+                      opts.mix_weights).reshape(g, s, num_clusters)
+  m = jnp.einsum("gse,sed->gsd", mix, w, precision=hi)
+  has_any = jnp.any(mix > 0, axis=-1, keepdims=True)
+  return jax.lax.stop_gradient(jnp.where(has_any, m, 1.0))
+
+
 def random_diagonal(seed: int, layer: int, width: int) -> Array:
   """The random-diagonal ablation: `max(N(1, 0.5), 0)`, `[D]`, fixed per layer.
 
