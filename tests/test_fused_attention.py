@@ -18,7 +18,8 @@ from vmoe_ext.errors import ConfigError
 from vmoe_ext.models import build_model
 from vmoe_ext.models.attention import dot_product_attention
 from vmoe_ext.models.swin_attention import WindowAttention
-from vmoe_ext.models.swin_window import shift_attention_mask
+from vmoe_ext.models.swin_window import (relative_position_index,
+                                         shift_attention_mask)
 
 RTOL = 1e-5
 VIT = dict(name="vit", num_classes=3, patch_size=(4, 4), hidden_size=16,
@@ -118,7 +119,6 @@ def test_window_attention_against_numpy_with_mask():
   xs = np.asarray(x, np.float64)
   qkv = xs @ p["qkv"]["kernel"] + p["qkv"]["bias"]
   table = p["relative_position_bias_table"]
-  from vmoe_ext.models.swin_window import relative_position_index
   index = relative_position_index(m)
   out = np.zeros_like(xs)
   for w in range(x.shape[0]):
