@@ -36,6 +36,8 @@ from vmoe_ext.interop import safetensors as st
 from vmoe_ext.models.language import LanguageModel
 from vmoe_ext.models.llama import LlamaConfig, LlamaDecoder, load_llama
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+
 HF_CONFIG = dict(model_type="llama", architectures=["LlamaForCausalLM"],
                  vocab_size=50, hidden_size=32, intermediate_size=64,
                  num_hidden_layers=2, num_attention_heads=4,
@@ -440,3 +442,45 @@ def test_command_carves_a_llama_directory_and_reports_both_ppls(hf, tmp_path,
                        (["--eval_ids=test"], "--eval_ids")]:
     assert carve_decoder.main(argv + extra) == 2
     assert f"config error: {field}:" in capsys.readouterr().err
+
+
+def test_command_carves_a_glam_run_and_scores_it_as_training_did(
+    tmp_path, capsys, monkeypatch):
+  """`--family=lm` end to end: a one-step GLaM run (`sgsf`) trained by the
+  binary's loop, carved by the command. Its dense scores are the training
+  run's final evaluation, to the bit; with every expert active the carved
+  model scores as the dense one; bad input exits 2 naming the field."""
+  from test_lm_training import write_corpus  # pylint: disable=import-outside-toplevel
+  from vmoe_ext.app import train as loop  # pylint: disable=import-outside-toplevel
+  from vmoe_ext.train.config_files import load_config  # pylint: disable=import-outside-toplevel
+  write_corpus(tmp_path)
+  fields = {"data.path": str(tmp_path), "data.corpus": "plain_text",
+            "data.min_count": 2, "data.batch_size": 4, "data.block_size": 8,
+            "model.base_arch": "glam", "model.num_layers": 1,
+            "model.attn_span": 8, "train.total_steps": 1}
+  config = load_config("lm", "tiny")
+  for key, value in fields.items():
+    section, field = key.split(".")
+    config[section][field] = value
+  config.train.update(dict(log_every=1, eval_every=0, checkpoint_every=1))
+  run = str(tmp_path / "run")
+  trained = loop.train_and_evaluate(config, run)
+  base = ["carve_decoder", "--family=lm", "--config=configs/lm.py:tiny",
+          *[f"--config.{k}={v}" for k, v in fields.items()],
+          f"--checkpoint_dir={run}", "--sequence_length=8",
+          "--num_calibration=2"]
+  monkeypatch.chdir(os.path.dirname(HERE))  # configs/ is the repo's.
+  out = str(tmp_path / "all_active")
+  assert carve_decoder.main(base + ["--carve=S1A3E4",
+                                    f"--workdir={out}"]) == 0
+  lines = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
+  by_split = {x["split"]: x for x in lines}
+  for key in ("ppl", "valid_ppl", "attacked_ppl", "valid_attacked_ppl"):
+    assert by_split["dense"][key] == trained[key], key
+    assert by_split["carved"][key] == pytest.approx(trained[key], rel=1e-5)
+  assert [x["block"] for x in lines if x["split"] == "carve"] == [1]
+  assert "ppl: dense" in capsys.readouterr().out
+  for extra, field in [(["--carve=S1A1E3"], "carve.num_experts"),
+                       (["--config.model.num_layers=2"], "model.num_layers")]:
+    assert carve_decoder.main(base + extra + [f"--workdir={out}"]) == 2
+    assert f"config error: {field}" in capsys.readouterr().err
