@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from vmoe_ext.moe.contract import RoutingContext
-from vmoe_ext.routers.cmoe import CMoERouter, balance_bias
+from vmoe_ext.routers.cmoe import CMoERouter, balance_bias, cmoe_top_k
 
 RATE = 1e-3
 # The counts from the side-by-side check: float32 mean 24.000002.
@@ -112,3 +112,16 @@ def test_over_a_data_parallel_axis_the_device_counts_are_summed(devices):
   expected = integer_rule(np.zeros(e), SEEN, RATE)
   for device_bias in np.asarray(bias):  # Every device holds the same bias.
     np.testing.assert_array_equal(device_bias, expected)
+
+
+def test_selection_weights_by_hand_also_with_a_numpy_scale_under_jit():
+  """`1 + s_e u_e` of the selected experts (by hand), the same when `u` is a
+  NumPy array closed over by a jitted function (a restored param)."""
+  scores = np.log(np.array([[[1.0, 2.0, 3.0, 4.0]]], np.float32))
+  scale = np.array([0.5, -1.0, 2.0, 3.0], np.float32)
+  s = np.array([1.0, 2.0, 3.0, 4.0]) / 10.0  # softmax(log v) = v / sum v.
+  routing, _ = jax.jit(lambda x: cmoe_top_k(
+      x, np.zeros(4, np.float32), scale, 2))(scores)
+  np.testing.assert_array_equal(np.asarray(routing.expert_indices)[0, 0], [3, 2])
+  np.testing.assert_allclose(np.asarray(routing.gates)[0, 0],
+                             [1 + s[3] * 3.0, 1 + s[2] * 2.0], rtol=1e-6)

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from vmoe_ext.errors import require
 from vmoe_ext.moe.select import partitionable_top_k
 from vmoe_ext.moe.contract import (ROUTER_STATE, Router, RouterOutput,
-                                   RoutingContext)
+                                   RoutingContext, at_least_float32)
 from vmoe_ext.moe.experts import GATED, check_activation, hidden_activation
 from vmoe_ext.moe.routing import TokenChoiceRouting
 
@@ -78,7 +78,10 @@ def cmoe_top_k(scores: Array, bias: Array, scale: Array, num_selected: int
   s = jax.nn.softmax(scores, axis=-1)
   biased = s + jax.lax.stop_gradient(bias).astype(s.dtype)
   _, indices = partitionable_top_k(biased, num_selected)
-  weights = 1.0 + jnp.take_along_axis(s, indices, axis=-1) * scale[indices]
+  # `jnp.take`, not `scale[indices]`: a NumPy `scale` (e.g. a restored
+  # param closed over by a jitted function) cannot be indexed by a tracer.
+  weights = 1.0 + jnp.take_along_axis(s, indices, axis=-1) * jnp.take(
+      jnp.asarray(scale), indices)
   return TokenChoiceRouting.create(indices, weights), s
 
 
@@ -144,11 +147,13 @@ class CMoERouter(Router):
     """x: `[G, S, D]` -> the routing of the module doc."""
     del capacity, deterministic  # No noise; capacity is the dispatcher's.
     d, e = x.shape[-1], self.num_experts
-    kernel = self.param("kernel", _KERNEL_INIT, (d, e), jnp.float32)
-    up_kernel = (self.param("up_kernel", _KERNEL_INIT, (d, e),
-                            jnp.float32)
+    # Read in float32 whatever `model.param_dtype` stores them in.
+    f32 = lambda name, init, shape: at_least_float32(self.param(
+        name, init, shape, jnp.float32))
+    kernel = f32("kernel", _KERNEL_INIT, (d, e))
+    up_kernel = (f32("up_kernel", _KERNEL_INIT, (d, e))
                  if self.activation in GATED else None)
-    scale = self.param("scale", nn.initializers.zeros, (e,), jnp.float32)
+    scale = f32("scale", nn.initializers.zeros, (e,))
     bias = self.variable(ROUTER_STATE, "bias", jnp.zeros, (e,), jnp.float32)
     scores = cmoe_scores(x, kernel, up_kernel, self.activation)
     routing, s = cmoe_top_k(scores, bias.value, scale, self.num_selected)
