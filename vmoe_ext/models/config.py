@@ -3,6 +3,9 @@
     model         the fields of the class `name` selects (a `MODELS` entry:
                   `VisionTransformerMoe`, `SwinTransformerMoe`,
                   `LanguageModel`)
+    model.dtype, model.param_dtype
+                  "float32" (default) or "bfloat16"
+                  (`vmoe_ext.models.precision`)
     model.moe     the keys of `MOE_DEFAULTS` (types from `MoeLayer`, `Router`,
                   `resolve_moe_layers`); the language model's defaults are
                   `LM_MOE_DEFAULTS` over them
@@ -26,6 +29,7 @@ from vmoe_ext.errors import require
 from vmoe_ext.models import LANGUAGE_MODEL, MODELS
 from vmoe_ext.models.lm_config import LM_MOE_DEFAULTS
 from vmoe_ext.models.placement import resolve_moe_layers
+from vmoe_ext.models.precision import DTYPES, PRECISION_FIELDS
 from vmoe_ext.models.vit import MOE_DEFAULTS, VisionTransformerMoe
 from vmoe_ext.moe.contract import Router
 from vmoe_ext.moe.layer import MoeLayer
@@ -116,6 +120,10 @@ def _model_fields(value: Mapping[str, Any]) -> dict[str, Spec]:
   name = value.get("name")
   cls = MODELS.get(name).cls if name in MODELS else VisionTransformerMoe
   fields.update(dataclass_fields(cls))
+  for key in PRECISION_FIELDS:  # A dtype name (the classes take dtypes too).
+    if key in fields:
+      fields[key] = Field("str", "float32", choices=tuple(DTYPES),
+                          doc=PRECISION_DOCS[key])
   soft = value.get("name") == "soft_moe_vit"
   if name == LANGUAGE_MODEL:
     fields = _language_model_fields(fields)
@@ -123,6 +131,13 @@ def _model_fields(value: Mapping[str, Any]) -> dict[str, Spec]:
     fields["moe"] = Section(_moe_fields(soft), default=None, nullable=True)
   return _subsections(fields, soft)
 
+
+# `model.dtype` / `model.param_dtype` (`vmoe_ext.models.precision`).
+PRECISION_DOCS = {
+    "dtype": "compute dtype of the matmuls and activations (routers, "
+             "LayerNorm statistics, stream state and logits stay float32)",
+    "param_dtype": "dtype the parameters (and the optimizer state) are "
+                   "stored in"}
 
 MODEL = Section(_model_fields)
 

@@ -41,6 +41,8 @@ from vmoe_ext.models.lm_config import (LM_AC_ROUTER, LM_MOE_DEFAULTS,
                                        layer_moe, lm_moe_config,
                                        resolve_ac_router, resolve_stream)
 from vmoe_ext.models.lm_init import authors_initialization
+from vmoe_ext.models.precision import (PRECISION_FIELDS, cast_params,
+                                       float32_state, resolve_dtype)
 from vmoe_ext.models.seq_attention import (SeqAttention, next_cache,
                                            torch_bias_init, torch_linear_init)
 from vmoe_ext.models.sublayer import (DEFAULT_STREAM, MlpBlock,
@@ -148,7 +150,8 @@ class LanguageModel(nn.Module):
       and the dense FFNs as the authors' torch code initialises them,
       `vmoe_ext.models.lm_init`) or "framework" (the shared modules' own
       initialisers, vmoe's).
-    state_axis_name, expert_parallel, dtype: as `VisionTransformerMoe`'s.
+    state_axis_name, expert_parallel, dtype, param_dtype: as
+      `VisionTransformerMoe`'s.
     attention: "plain" only. The cached attention's key position term
       `q . key_pe` depends on the query, so as a `jax.nn.dot_product_attention`
       bias it would be the whole `[B, N, M, L+M]` score matrix (plus the
@@ -179,8 +182,12 @@ class LanguageModel(nn.Module):
   expert_parallel: Optional[ExpertParallel] = None
   dtype: Any = jnp.float32
   attention: str = "plain"
+  param_dtype: Any = jnp.float32
 
   def __post_init__(self):
+    for field in PRECISION_FIELDS:  # Names ("bfloat16") -> dtypes.
+      object.__setattr__(self, field,
+                         resolve_dtype(getattr(self, field), field))
     require(self.attention == "plain", "attention",
             f"the language model's cached attention has only the 'plain' "
             f"form (its key position term depends on the query, so no fused "
@@ -246,13 +253,13 @@ class LanguageModel(nn.Module):
   def init(self, rngs: Any, *args: Any, **kwargs: Any) -> Any:
     """`nn.Module.init`, then (`initialization="authors"`, no `method`)
     the authors' initialisation of the feed-forward parameters, drawn from
-    the "params" key."""
+    the "params" key; the parameters are then cast to `param_dtype`."""
     variables = super().init(rngs, *args, **kwargs)
-    if self.initialization != "authors" or kwargs.get("method") is not None:
-      return variables
-    key = rngs["params"] if isinstance(rngs, Mapping) else rngs
-    return {**variables, "params": authors_initialization(
-        variables["params"], jax.random.fold_in(key, 1))}
+    if self.initialization == "authors" and kwargs.get("method") is None:
+      key = rngs["params"] if isinstance(rngs, Mapping) else rngs
+      variables = {**variables, "params": authors_initialization(
+          variables["params"], jax.random.fold_in(key, 1))}
+    return cast_params(variables, self.param_dtype)
 
   def layer(self, spec: LayerSpec, h: Array, cache: Array, key_pe: Array,
             ctx: RoutingContext, *, deterministic: bool, update_state: bool
@@ -301,7 +308,8 @@ class LanguageModel(nn.Module):
     key_pe = self.param("key_pe", nn.initializers.normal(stddev=1.0),
                         (self.hidden_size // self.num_heads, self.attn_span))
     ctx = RoutingContext(
-        stream_state=STREAMS.build(self.stream, parent=None).init_state(h),
+        stream_state=float32_state(
+            STREAMS.build(self.stream, parent=None).init_state(h)),
         axis_name=self.state_axis_name, moe_blocks=self.moe_layers)
     new_cache = []
     metrics: dict[str, Any] = {}

@@ -16,6 +16,7 @@ import flax.linen as nn
 import jax
 
 from vmoe_ext.errors import ConfigError, field_scope, require
+from vmoe_ext.models.precision import keep_dtypes
 from vmoe_ext.moe.contract import RoutingContext
 from vmoe_ext.moe.expert_parallel import ExpertParallel
 from vmoe_ext.moe.experts import DenseMlp
@@ -193,7 +194,10 @@ def mlp_sublayer(x: Array, ctx: RoutingContext, norm: nn.Module, *,
     return branch(f), aux
 
   built = STREAMS.build(stream, name="Stream")
-  x, state = built(x, ffn, ctx.stream_state, ctx=ctx, is_moe=is_moe)
+  # The stream keeps the activations' dtype and its state's (float32 under a
+  # bfloat16 `dtype`, `vmoe_ext.models.precision`).
+  x_new, state = built(x, ffn, ctx.stream_state, ctx=ctx, is_moe=is_moe)
+  x, state = x_new.astype(x.dtype), keep_dtypes(state, ctx.stream_state)
   if len(primary_aux) != 1:
     raise ValueError(
         f"stream {type(built).__name__} made {len(primary_aux)} primary "

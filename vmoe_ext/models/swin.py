@@ -29,6 +29,9 @@ import numpy as np
 from vmoe_ext.errors import require
 from vmoe_ext.models.attention import check_attention
 from vmoe_ext.models.heads import classifier_head
+from vmoe_ext.models.precision import (PRECISION_FIELDS, at_least_float32,
+                                       cast_params, float32_state,
+                                       resolve_dtype)
 from vmoe_ext.models.sublayer import (DEFAULT_STREAM, check_moe_placement,
                                       check_stream_placement, mlp_sublayer,
                                       moe_config)
@@ -179,7 +182,8 @@ class SwinTransformerMoe(nn.Module):
       within the stage; -1 or an empty list: none), the release's
       `MOE_BLOCKS`, e.g. `((-1,), (-1,), (1, 3, 5), (1,))`.
     stream: the residual stream (`vmoe_ext.streams`; default plain).
-    state_axis_name, expert_parallel, dtype: as `VisionTransformerMoe`'s.
+    state_axis_name, expert_parallel, dtype, param_dtype: as
+      `VisionTransformerMoe`'s.
 
   Calling it returns `(logits [B, num_classes], metrics)` as the ViT does
   (`auxiliary_loss`, `layer_i/...` per MoE block i), and the MoE layers sow
@@ -211,8 +215,12 @@ class SwinTransformerMoe(nn.Module):
   state_axis_name: Optional[str] = None
   expert_parallel: Optional[ExpertParallel] = None
   dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
 
   def __post_init__(self):
+    for field in PRECISION_FIELDS:  # Names ("bfloat16") -> dtypes.
+      object.__setattr__(self, field,
+                         resolve_dtype(getattr(self, field), field))
     require(isinstance(self.num_classes, int) and self.num_classes > 0,
             "num_classes", f"must be positive, got {self.num_classes!r}")
     patch = tuple(self.patch_size) if isinstance(
@@ -281,6 +289,10 @@ class SwinTransformerMoe(nn.Module):
     else:
       check_stream_placement(stream, tuple(() for _ in depths))
     super().__post_init__()
+
+  def init(self, rngs: Any, *args: Any, **kwargs: Any) -> Any:
+    """`nn.Module.init`, the parameters then cast to `param_dtype`."""
+    return cast_params(super().init(rngs, *args, **kwargs), self.param_dtype)
 
   def _local_moe_blocks(self, depths: tuple[int, ...]
                         ) -> tuple[tuple[int, ...], ...]:
@@ -398,7 +410,8 @@ class SwinTransformerMoe(nn.Module):
       window, shift = stage_window(*grid, self.window_size,
                                    self.window_size // 2)
       ctx = RoutingContext(
-          stream_state=STREAMS.build(self.stream, parent=None).init_state(x),
+          stream_state=float32_state(
+              STREAMS.build(self.stream, parent=None).init_state(x)),
           axis_name=self.state_axis_name, moe_blocks=moe_stages[s])
       for i in range(depth):
         block = self.stage_start(s) + i
@@ -431,7 +444,7 @@ class SwinTransformerMoe(nn.Module):
     metrics["auxiliary_loss"] = sum(
         (m["auxiliary_loss"] for m in metrics.values()),
         jnp.zeros((), jnp.float32))
-    return logits, metrics
+    return at_least_float32(logits), metrics
 
 
 __all__ = ["PatchMerging", "SwinBlock", "SwinTransformerMoe"]

@@ -21,6 +21,9 @@ from vmoe_ext.models.attention import check_attention, flax_attention_fn
 from vmoe_ext.models.heads import (ATTENTION_KERNEL_INITS, CLASSIFIERS,
                                    classifier_head, has_class_token)
 from vmoe_ext.models.placement import resolve_moe_layers
+from vmoe_ext.models.precision import (PRECISION_FIELDS, at_least_float32,
+                                       cast_params,
+                                       float32_state, resolve_dtype)
 from vmoe_ext.models.position import (add_fixed_position_emb,
                                       check_position_emb)
 from vmoe_ext.models.sublayer import (DEFAULT_STREAM, MOE_DEFAULTS, MlpBlock,
@@ -128,6 +131,9 @@ class VisionTransformerMoe(nn.Module):
       (`vmoe_ext.moe.expert_parallel.ExpertParallel`, from the `sharding`
       config section): every MoE layer runs its experts in a `shard_map`
       with two all-to-alls; results equal the single-device model's.
+    dtype / param_dtype: the compute and the parameter dtype, "float32" (the
+      default) or "bfloat16" (`vmoe_ext.models.precision`: what stays
+      float32; the logits are returned in float32).
 
   Calling it returns `(logits [B, num_classes], metrics)` where `metrics` has
   `auxiliary_loss` (sum over MoE layers, 0 for a dense model) and, per MoE
@@ -161,8 +167,12 @@ class VisionTransformerMoe(nn.Module):
   state_axis_name: Optional[str] = None
   expert_parallel: Optional[ExpertParallel] = None
   dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
 
   def __post_init__(self):
+    for field in PRECISION_FIELDS:  # Names ("bfloat16") -> dtypes.
+      object.__setattr__(self, field,
+                         resolve_dtype(getattr(self, field), field))
     require(self.num_classes > 0, "num_classes",
             f"must be positive, got {self.num_classes}")
     require(self.classifier in CLASSIFIERS, "classifier",
@@ -212,6 +222,10 @@ class VisionTransformerMoe(nn.Module):
     object.__setattr__(self, "moe", moe)
     object.__setattr__(self, "stream", stream)
     super().__post_init__()
+
+  def init(self, rngs: Any, *args: Any, **kwargs: Any) -> Any:
+    """`nn.Module.init`, the parameters then cast to `param_dtype`."""
+    return cast_params(super().init(rngs, *args, **kwargs), self.param_dtype)
 
   @property
   def moe_layers(self) -> tuple[int, ...]:
@@ -270,7 +284,8 @@ class VisionTransformerMoe(nn.Module):
 
     moe_layers = self.moe_layers
     ctx = RoutingContext(
-        stream_state=STREAMS.build(self.stream, parent=None).init_state(x),
+        stream_state=float32_state(
+            STREAMS.build(self.stream, parent=None).init_state(x)),
         axis_name=self.state_axis_name, moe_blocks=moe_layers)
     metrics: dict[str, Any] = {}
     for block in range(self.num_layers):
@@ -303,7 +318,7 @@ class VisionTransformerMoe(nn.Module):
     metrics["auxiliary_loss"] = sum(
         (m["auxiliary_loss"] for m in metrics.values()),
         jnp.zeros((), jnp.float32))
-    return logits, metrics
+    return at_least_float32(logits), metrics
 
 
 # `MOE_DEFAULTS`, `MlpBlock`, `build_moe_layer` and `moe_config` live in

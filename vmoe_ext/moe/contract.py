@@ -364,6 +364,13 @@ def check_router_output(router: Router, out: Any) -> None:
         "K")
 
 
+def at_least_float32(x: Array) -> Array:
+  """`x` in float32 when it is in a narrower float (bfloat16), else as is
+  (float64 stays float64). Routers and streams read their parameters through
+  it: their scores and state stay float32 whatever `model.param_dtype`."""
+  return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
 class LinearLogits(nn.Module):
   """Router logits `l = x W (+ b)`, `W: [D, E]`, `b: [E]` (zeros at init)
   only with `use_bias`; computed in `dtype`."""

@@ -19,7 +19,8 @@ import jax.numpy as jnp
 
 from vmoe_ext.errors import require
 from vmoe_ext.moe.routing import SoftRouting
-from vmoe_ext.moe.contract import SOFT, Router, RouterOutput, RoutingContext
+from vmoe_ext.moe.contract import (SOFT, Router, RouterOutput, RoutingContext,
+                                   at_least_float32)
 
 Array = jax.Array
 
@@ -97,9 +98,11 @@ class SoftRouter(Router):
                ) -> RouterOutput:
     del ctx, capacity, deterministic, update_state
     d = x.shape[-1]
-    mu = self.param("mu", nn.initializers.normal(stddev=d**-0.5),
-                    (d, self.num_experts, self.num_slots))
-    scale = self.param("scale", nn.initializers.ones, ())
+    # In float32 whatever the parameters' dtype (`model.param_dtype`).
+    mu = at_least_float32(self.param(
+        "mu", nn.initializers.normal(stddev=d**-0.5),
+        (d, self.num_experts, self.num_slots)))
+    scale = at_least_float32(self.param("scale", nn.initializers.ones, ()))
     x = x.astype(jnp.float32)
     routing = soft_routing(x, mu, scale, self.normalize, self.assigned_slots,
                            self.normalize_tokens)

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from vmoe_ext.errors import require
 from vmoe_ext.moe.select import partitionable_top_k
 from vmoe_ext.moe import losses
-from vmoe_ext.moe.contract import Metrics
+from vmoe_ext.moe.contract import Metrics, at_least_float32
 from vmoe_ext.moe.routing import TokenChoiceRouting
 from vmoe_ext.routers.noisy_top_k import NoisyTopKRouter
 
@@ -128,7 +128,8 @@ class TopPRouter(NoisyTopKRouter):
     del noise_std
     p: Array | float = float(self.threshold)
     if self.learnable_threshold:
-      p = self.param("threshold", lambda *_: jnp.float32(self.threshold))
+      p = at_least_float32(self.param(  # Whatever `model.param_dtype`.
+          "threshold", lambda *_: jnp.float32(self.threshold)))
     return top_p(logits, noise, p, max_experts=self.num_selected,
                  renormalize_gates=self.renormalize_gates,
                  importance_gates=self.importance_gates,

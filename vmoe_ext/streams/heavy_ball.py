@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from vmoe_ext.errors import require
-from vmoe_ext.moe.contract import RoutingContext
+from vmoe_ext.moe.contract import RoutingContext, at_least_float32
 from vmoe_ext.streams.base import Ffn
 from vmoe_ext.streams.momentum_base import (MomentumStream, check_open_unit,
                                             check_positive)
@@ -71,16 +71,18 @@ class HeavyBall(MomentumStream):
   def coefficients(self, x: Array) -> tuple[Any, Any]:
     """`(mu, gamma)` of this block: floats, scalars or `gamma [B, T, 1]`."""
     mu, gamma = self.mu, self.gamma
+    # In float32, as the state, whatever `model.param_dtype` stores them in.
+    f32 = lambda name, value: at_least_float32(self.param(
+        name, nn.initializers.constant(value), ()))
     if self.learn == "both":
-      mu = jnp.tanh(self.param(
-          "mu_raw", nn.initializers.constant(math.atanh(self.mu)), ()))
+      mu = jnp.tanh(f32("mu_raw", math.atanh(self.mu)))
     if self.learn in ("both", "gamma"):
-      gamma = jax.nn.softplus(self.param(
-          "gamma_raw", nn.initializers.constant(inverse_softplus(gamma)), ()))
+      gamma = jax.nn.softplus(f32("gamma_raw", inverse_softplus(gamma)))
     elif self.learn == "gamma_linear":
       logit = math.log(gamma / (1.0 - gamma))
       gamma = jax.nn.sigmoid(nn.Dense(
-          1, kernel_init=nn.initializers.zeros,
+          1, dtype=jnp.promote_types(x.dtype, jnp.float32),
+          kernel_init=nn.initializers.zeros,
           bias_init=nn.initializers.constant(logit), name="Dense_1")(x))
     return mu, gamma
 

@@ -352,14 +352,18 @@ class CheckpointManager:
     Returns:
       `(entries, step)` with jax arrays, or None when there is no checkpoint.
       Fingerprint check and fallback to older checkpoints as in `restore`.
+      Leaves are cast to the dtypes of `target` where the saved ones differ.
       Meant for read-only managers (e.g. evaluation): do not `save` with the
       same manager afterwards.
     """
     wanted = {k: v for k, v in target.items() if jax.tree.leaves(v)}
     leaves, treedef = jax.tree.flatten(wanted)
     abstract = treedef.unflatten([_to_restore_target(x) for x in leaves])
+    # In the target's dtype: parameters saved in bfloat16 restore into a
+    # float32 model and vice versa (`model.param_dtype`).
     restore_args = jax.tree.map(
-        lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), abstract)
+        lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, dtype=x.dtype),
+        abstract)
 
     def read_state(step: int) -> dict[str, Any]:
       restored = self._manager.restore(step, args=ocp.args.Composite(**{

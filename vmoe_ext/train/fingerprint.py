@@ -8,7 +8,8 @@ and the optimizer name. `check_fingerprint` compares a stored fingerprint
 (filled again, so checkpoints saved before filling existed still match) with
 the current one and raises a `ConfigError` worded for resuming ("workdir":
 the differing keys) or for evaluating (the first differing field by its full
-path, with the flag that would fix it).
+path, with the flag that would fix it; `model.dtype` and `model.param_dtype`
+may differ there).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 from vmoe_ext.config.defaults import fill_defaults
 from vmoe_ext.errors import ConfigError
 from vmoe_ext.models.config import MODEL
+from vmoe_ext.models.precision import PRECISION_FIELDS
 
 
 def normalise_json(value: Any, name: str) -> Any:
@@ -96,6 +98,8 @@ def config_fingerprint(config: ml_collections.ConfigDict,
 
 
 _MISSING = object()
+# `model.dtype`, `model.param_dtype`: not compared when evaluating.
+_PRECISION_KEYS = tuple(("model", k) for k in PRECISION_FIELDS)
 
 
 def _differences(stored: Any, current: Any, key: tuple = ()
@@ -173,8 +177,11 @@ def check_fingerprint(stored: Any, current: Mapping[str, Any], *, step: int,
 def _evaluation_mismatch(step: int, directory: str,
                        diffs: list[tuple[tuple, Any, Any]]) -> None:
   """Raises ConfigError naming the first differing config field (the
-  optimizer is not needed for evaluation and not compared)."""
-  diffs = [d for d in diffs if d[0][0] != "optimizer"]
+  optimizer is not needed for evaluation and not compared, nor are the
+  model's precision fields: a checkpoint trained in one precision evaluates
+  in the other, its parameters cast on restore)."""
+  diffs = [d for d in diffs if d[0][0] != "optimizer"
+           and d[0] not in _PRECISION_KEYS]
   if not diffs:
     return
   where = f"the checkpoint in {directory} (step {step})"
