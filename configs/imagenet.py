@@ -270,7 +270,7 @@ def _data(batch_size, pp_train, pp_eval, data_dir):
       train_split=TRAIN_SPLIT, test_split="validation",
       batch_size=batch_size, eval_batch_size=1024, image_size=IMAGE_SIZE,
       streaming=True, pp_train=pp_train, pp_eval=pp_eval,
-      worker_count=16, analysis_examples=1024)
+      worker_count=16, device_normalize=True, analysis_examples=1024)
 
 
 def get_config(arg=None):
