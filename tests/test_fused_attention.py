@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vmoe_ext.errors import ConfigError
+from vmoe_ext.errors import ConfigError, field_scope
 from vmoe_ext.models import build_model
 from vmoe_ext.models.attention import dot_product_attention
 from vmoe_ext.models.swin_attention import WindowAttention
@@ -176,3 +176,32 @@ def test_config_errors_name_model_attention(config, match):
     build_model(config)
   assert info.value.field == "model.attention"
   assert str(info.value).startswith("model.attention:")
+
+
+@pytest.mark.parametrize("config,match", [
+    (dict(VIT, dtype="float32"), "bfloat16 or float16"),
+    (dict(VIT, dtype="bfloat16", hidden_size=24, num_heads=2),
+     "multiple of 8"),                                        # H = 12
+    (dict(SWIN, dtype="bfloat16", window_size=3, embed_dim=16),
+     "even number of tokens"),                                # N = 9
+])
+def test_cudnn_requirements_checked_at_build(monkeypatch, config, match):
+  """cuDNN's limits, checked before tracing (the backend faked as a GPU:
+  only the checks run)."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  with pytest.raises(ConfigError, match=match) as info:
+    build_model(dict(config, attention="cudnn"))
+  assert info.value.field == "model.attention"
+
+
+def test_cudnn_swin_window_shrunk_on_a_small_stage(monkeypatch):
+  """A 4 x 4 window is even, but a 3 x 3 stage shrinks it to 9 tokens:
+  `check_image_size` (run before compiling) names `model.attention`."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  model = build_model(dict(SWIN, attention="cudnn", dtype="bfloat16",
+                           embed_dim=16))
+  model.check_image_size((16, 16))                 # 8 x 8: 4 x 4 windows
+  with pytest.raises(ConfigError, match="9") as info:
+    with field_scope("model"):
+      model.check_image_size((6, 6))               # 3 x 3: one 3 x 3 window
+  assert info.value.field == "model.attention"

@@ -367,8 +367,14 @@ class SwinTransformerMoe(nn.Module):
 
   def check_image_size(self, image_size: tuple[int, int]) -> None:
     """Raises ConfigError (`patch_size`, `window_size`) unless images of
-    `(H, W)` fit the patches, the merges and the windows."""
-    self.stage_grids(image_size)
+    `(H, W)` fit the patches, the merges and the windows; with
+    `attention="cudnn"`, `attention` unless every stage's window (which
+    shrinks on a small stage) holds an even number of tokens."""
+    grids = self.stage_grids(image_size)
+    if self.attention == "cudnn":
+      windows = [stage_window(*g, self.window_size, 0)[0] for g in grids]
+      check_attention(self.attention, dtype=self.dtype,
+                      bias_lengths=tuple(m * m for m in windows))
 
   def token_grid(self, block: int, image_size: tuple[int, int]
                  ) -> tuple[int, int, int]:
