@@ -36,7 +36,11 @@ baseline), the ms per step of each and the XLA FLOPs of each
 step relative to the baseline (`*_flops_overhead`, noise-free).
 `control_overhead` is an A/A control: the baseline's executable timed again
 as one more candidate on its own copy of the state, so its deviation from 0
-is the timing noise of the run.
+is the timing noise of the run. `ac_transform_ms` / `ac_transform_mflops`:
+ACMoE's AC transform (`adaptive_clustering.adaptive_scales`, the router's
+one addition to the step besides a multiply) jitted and timed alone at the
+candidate's shape, and `ac_transform_share` its time over the baseline
+step's.
 
 `--quick`: B*T = 256 tokens (16 images of 16x16x3, T = 16), D = 64, H = 256,
 E = 8, 5 steps per sample, for a smoke run; there the fixed per-op costs of
@@ -48,10 +52,13 @@ from __future__ import annotations
 import os
 import sys
 
+import jax
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (compile_train_steps, image_batch,  # noqa: E402
                     machine, overhead_figures, parse_args,
-                    print_json_last, time_train_steps)
+                    print_json_last, time_side_by_side, time_train_steps,
+                    xla_flops)
 
 ACMOE = {"name": "acmoe", "normalization": "swin",
          "base": {"name": "noisy_topk", "num_selected": 2}}
@@ -89,6 +96,28 @@ def model_config(router: dict, s: dict) -> dict:
                        router=router))
 
 
+def ac_transform(s: dict, repeats: int) -> tuple[float, float]:
+  """(ms, FLOPs) of ACMoE's `swin` AC transform alone, jitted: the scales
+  `adaptive_scales` of the candidate's block 3 (N = B*T tokens of width D,
+  E clusters, the previous layer's top-2) on random tokens; forward only
+  (the statistics are under stop-gradient)."""
+  import jax.numpy as jnp
+  import numpy as np
+
+  from vmoe_ext.routers import adaptive_clustering as ac
+
+  n, d, e = s["batch"] * (s["image"] // 4)**2, s["hidden"], s["experts"]
+  rng = np.random.default_rng(0)
+  args = (jnp.asarray(rng.normal(size=(n, d)), jnp.float32),
+          jnp.asarray(rng.integers(0, e, (n, 2)), jnp.int32),
+          jnp.asarray(rng.random((n, 2)), jnp.float32),
+          jnp.ones((n, 2), bool))
+  opts = ac.resolve_options("swin")
+  fn = jax.jit(lambda *a: ac.adaptive_scales(*a, num_clusters=e, opts=opts))
+  seconds = time_side_by_side({"ac": lambda: fn(*args)}, 10 * repeats)
+  return seconds["ac"] * 1e3, xla_flops(fn, *args)
+
+
 def main(argv=None) -> dict:
   args = parse_args(__doc__.splitlines()[0], argv)
   s = shapes(args.quick)
@@ -120,6 +149,12 @@ def main(argv=None) -> dict:
        for n in ("acmoe", "xmoe", "topp", "symphony", "acmoe_symphony")})
   figures["acmoe_symphony_vs_baseline"] = (ms["acmoe_symphony"]
                                            / ms["baseline"] - 1)
+  ac_ms, ac_flops = ac_transform(s, repeats)
+  figures.update(ac_transform_ms=ac_ms, ac_transform_mflops=ac_flops / 1e6,
+                 ac_transform_share=ac_ms / ms["baseline"])
+  print(f"ACMoE's AC transform alone: {ac_ms:.3f} ms, "
+        f"{ac_flops / 1e6:.1f} MFLOP ({ac_ms / ms['baseline']:.3%} of the "
+        "baseline step)")
   print_json_last(figures)
   return figures
 

@@ -178,7 +178,11 @@ def cluster_dispersion(tokens: Array, clusters: Array, num_clusters: int,
   denom = jnp.where(counts > 0, counts, 1.0)[:, None]
   hi = jax.lax.Precision.HIGHEST
   mean = reduce(jnp.matmul(one_hot.T, tokens, precision=hi)) / denom
-  deviation = tokens - jnp.matmul(one_hot, mean, precision=hi)
+  # Each token's cluster mean by a gather (a token in no cluster gets 0):
+  # the values of the one-hot matmul without its N x E x D multiply-adds.
+  centre = jnp.where((clusters >= 0)[:, None],
+                     mean[jnp.maximum(clusters, 0)], 0.0)
+  deviation = tokens - centre
   deviation = (jnp.abs(deviation) if dispersion == "mad"
                else jnp.square(deviation))
   s = reduce(jnp.matmul(one_hot.T, deviation, precision=hi)) / denom
@@ -247,6 +251,9 @@ def adaptive_scales(tokens: Array, indices: Array, gates: Array, valid: Array,
   s, _ = cluster_dispersion(tokens, top1, num_clusters, opts.dispersion,
                             reduce)
   w = cluster_weights(s, opts)
+  if opts.mix_k == 1:  # Mix-1: the top-1 cluster's row, gathered.
+    return jax.lax.stop_gradient(
+        jnp.where(valid[:, :1], w[jnp.maximum(top1, 0)], 1.0))
   mix = mixing_matrix(indices, gates, valid, num_clusters, opts.mix_k,
                       opts.mix_weights)
   m = jnp.matmul(mix, w, precision=jax.lax.Precision.HIGHEST)
