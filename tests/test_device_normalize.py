@@ -111,6 +111,7 @@ def stream_data(**fields) -> ml_collections.ConfigDict:
 @pytest.mark.parametrize("fields", [
     dict(device_normalize="yes"),
     dict(device_normalize=True, pp_train="decode|value_range(0, 1)|flip_lr"),
+    dict(device_normalize=True, pp_eval="decode|value_range(0, 1)|flip_lr"),
     dict(device_normalize=True, streaming=False, pp_train=None),
 ])
 def test_bad_device_normalize_names_the_field(fields):
@@ -126,9 +127,10 @@ def test_device_normalize_is_accepted_and_off_by_default():
   assert DATA_TFDS["device_normalize"].default is False
 
 
-def test_train_step_with_mixup_on_uint8_equals_the_float32_batch():
-  """The step's first op maps uint8 to pp's float32 before mixup: the new
-  state and metrics equal those of the step fed the host path's batch."""
+@pytest.fixture(scope="module")
+def tiny():
+  """`(model, state, uint8 pixels [8, 8, 8, 1], labels, pixel map)`: the
+  tiny config's model with one MoE block, its state at step 0."""
   config = load_config("tiny")
   config.model.num_layers = 1
   config.model.moe.every = 1
@@ -137,10 +139,17 @@ def test_train_step_with_mixup_on_uint8_equals_the_float32_batch():
   pixels = rng.integers(0, 256, (8, 8, 8, 1), np.uint8)
   labels = rng.integers(0, 10, 8).astype(np.int32)
   (_, tail) = split_pixel_tail(pp.parse("flip_lr|value_range(-1, 1)"))
-  host_images = tail(pixels)
-  variables = jax.jit(model.init)(jax.random.key(0), host_images)
+  variables = jax.jit(model.init)(jax.random.key(0), tail(pixels))
   state = TrainState.create(variables, make_optimizer(config.optimizer),
                             jax.random.key(1))
+  return model, state, pixels, labels, tail
+
+
+def test_train_step_with_mixup_on_uint8_equals_the_float32_batch(tiny):
+  """The step's first op maps uint8 to pp's float32 before mixup: the new
+  state and metrics equal those of the step fed the host path's batch."""
+  model, state, pixels, labels, tail = tiny
+  host_images = tail(pixels)
   mixup = dict(concentration=0.2, size=2, groups=2)
   want_step = jax.jit(steps.make_train_step(model, mixup=mixup))
   got_step = jax.jit(steps.make_train_step(
@@ -160,16 +169,19 @@ def test_pixel_map_without_ops_is_the_float32_cast():
 def test_streamed_uint8_batches_map_to_the_float32_batches(tmp_path):
   """The real loader over a tiny fake ImageNet: uint8 [8, 32, 32, 3]
   batches whose device map is the float32 iterator's batches, bit for bit;
-  `DataSource.train_input_map` is that map, None when off."""
+  `DataSource.train_input_map` is that map, None when off; the same for
+  the streamed evaluation batches (padded) and `eval_input_map`."""
   pytest.importorskip("tensorflow_datasets")
   pytest.importorskip("grain.python")
-  from fake_imagenet import build, stream_config
+  from fake_imagenet import PP_EVAL, build, stream_config
   from vmoe_ext.app.context import resolved
   from vmoe_ext.data.source import DataSource
   from vmoe_ext.data.stream_iterator import StreamingTrainIterator
   data_dir = build(str(tmp_path))
-  host = resolved(stream_config(data_dir)).data
-  device = resolved(stream_config(data_dir, device_normalize=True)).data
+  fields = dict(pp_eval=PP_EVAL, eval_batch_size=6)  # 16 = 6 + 6 + 4.
+  host = resolved(stream_config(data_dir, **fields)).data
+  device = resolved(stream_config(data_dir, device_normalize=True,
+                                  **fields)).data
   want_it = StreamingTrainIterator(host, 0)
   got_source = DataSource(device, 0)
   normalize = jax.jit(got_source.train_input_map())
@@ -184,3 +196,32 @@ def test_streamed_uint8_batches_map_to_the_float32_batches(tmp_path):
     np.testing.assert_array_equal(got["label"], want["label"])
     np.testing.assert_array_equal(bits(normalize(got["image"])),
                                   bits(want["image"]))
+  assert DataSource(host, 0).eval_input_map() is None
+  eval_map = jax.jit(got_source.eval_input_map())
+  pairs = list(zip(DataSource(host, 0).eval_batches(),
+                   got_source.eval_batches()))
+  assert len(pairs) == 3 and not pairs[-1][1]["mask"][4:].any()
+  for want, got in pairs:
+    assert got["image"].dtype == np.uint8
+    np.testing.assert_array_equal(got["mask"], want["mask"])
+    real = got["mask"][:, None, None, None]
+    mapped = np.where(real, eval_map(got["image"]), 0.0)
+    np.testing.assert_array_equal(bits(mapped), bits(want["image"]))
+
+
+def test_eval_step_on_padded_uint8_equals_the_float32_batch(tiny):
+  """Padding rows are zeros in a float32 batch and must be after the map
+  too (they count in the per-batch routing metrics)."""
+  model, state, pixels, labels, tail = tiny
+  mask = np.arange(8) < 5
+  pixels = np.where(mask[:, None, None, None], pixels, 0).astype(np.uint8)
+  host_images = np.where(mask[:, None, None, None], tail(pixels), 0.0)
+  want = jax.jit(steps.make_eval_step(model))(
+      state, {"image": host_images, "label": labels, "mask": mask})
+  got = jax.jit(steps.make_eval_step(
+      model, input_map=DeviceNormalize(tail, 1)))(
+          state, {"image": pixels, "label": labels, "mask": mask})
+  assert float(got["count"]) == 5
+  for w, g in zip(jax.tree.leaves(jax.device_get(want)),
+                  jax.tree.leaves(jax.device_get(got))):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))

@@ -338,7 +338,8 @@ class RunContext:
     state = self.state if state is None else state
     if id(model) not in self._eval_steps:
       self._eval_steps[id(model)] = self.partitioning.jit_eval_step(
-          make_eval_step(model, self.config.train.loss), state)
+          make_eval_step(model, self.config.train.loss,
+                         input_map=self.data.eval_input_map()), state)
     return evaluate(self._eval_steps[id(model)], state,
                     (self.global_batch(b, local=self.data.local_eval)
                      for b in self.eval_batches()))

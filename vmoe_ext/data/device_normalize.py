@@ -146,16 +146,23 @@ class DeviceNormalize:
             f"channels={self.channels})")
 
 
-def check_device_normalize(data: dict[str, Any], pipeline) -> None:
+def check_device_normalize(data: dict[str, Any]) -> None:
   """With `device_normalize` on (fields relative to the data section),
-  `pp_train` must end in a pixel map the device can apply."""
+  `pp_train` and `pp_eval` (when set) must each end in a pixel map the
+  device can apply."""
   if not data.get("device_normalize"):
     return
-  require(split_pixel_tail(pipeline) is not None, "device_normalize",
-          f"data.pp_train {pipeline.spec!r} has no trailing per-pixel map "
-          f"after uint8 ops (ops {sorted(PIXEL_OPS)} must come last, after "
-          "every geometric op, and the pipeline needs a host part): leave "
-          "data.device_normalize False to keep the float32 host path")
+  from vmoe_ext.data import pp  # pylint: disable=g-import-not-at-top
+  for key in ("pp_train", "pp_eval"):
+    if data.get(key) is None:
+      continue
+    pipeline = pp.parse(data[key], key)
+    require(split_pixel_tail(pipeline) is not None, "device_normalize",
+            f"data.{key} {pipeline.spec!r} has no trailing per-pixel map "
+            f"after uint8 ops (ops {sorted(PIXEL_OPS)} must come last, "
+            "after every geometric op, and the pipeline needs a host "
+            "part): leave data.device_normalize False to keep the float32 "
+            "host path")
 
 
 __all__ = ["DEVICE_NORMALIZE_FIELD", "DeviceNormalize", "PIXEL_OPS",

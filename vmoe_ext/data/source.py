@@ -8,6 +8,7 @@ object and never branches on how it is stored:
     source.sample_batch()     # images [B or B/P, H, W, C] for shapes and init
     source.train_input_map()  # None, or the train step's uint8 -> float32
                               # first op (`data.device_normalize`)
+    source.eval_input_map()   # the same for the eval step and eval_batches()
     source.num_classes
     source.test               # the test images held in memory: the whole
                               # split, or with `data.pp_eval` its analysis
@@ -162,6 +163,14 @@ class DataSource:
     mean, std = default_normalization(data)
     return eval_batches(self.test, data["eval_batch_size"],
                         image_size=data["image_size"], mean=mean, std=std)
+
+  def eval_input_map(self):
+    """The evaluation step's first op on `eval_batches()` images: with
+    `data.device_normalize` and a streamed test split, uint8 -> float32 by
+    `data.pp_eval`'s trailing pixel map; else None."""
+    if not (self.local_eval and self.config.get("device_normalize")):
+      return None
+    return self._streamed_test().device_map()
 
   def check_channels(self, sample: np.ndarray) -> None:
     """A streamed train split's preprocessing gives the test split's

@@ -9,7 +9,9 @@ resize_small(256)|central_crop(224)|value_range(-1, 1)`, vmoe's), with
 
 * `batches(B)`: every example of this process's share exactly once, in
   split order, as `{"image": float32 [B/P, S, S, C] (pp_eval's output, not
-  normalised again), "label": int32 [B/P], "mask": bool [B/P]}`. Process p
+  normalised again; uint8 before pp_eval's trailing value_range with
+  `data.device_normalize`, mapped by the evaluation step, `device_map`),
+  "label": int32 [B/P], "mask": bool [B/P]}`. Process p
   of P owns the contiguous records `[p m, min((p + 1) m, N))`, m =
   ceil(N / P) (every record is evaluated, unlike training's drop-remainder
   shards); the last batch is padded with zero images, label 0 and mask
@@ -93,7 +95,7 @@ class _PadBatch:
     label = batch["label"].astype(np.int32)
     if missing:
       image = np.concatenate(
-          [image, np.zeros((missing,) + image.shape[1:], np.float32)])
+          [image, np.zeros((missing,) + image.shape[1:], image.dtype)])
       label = np.concatenate([label, np.zeros(missing, np.int32)])
     mask = np.arange(self.rows) < n
     return {"image": image, "label": label, "mask": mask}
@@ -127,6 +129,12 @@ class StreamingEvalSplit:
                                       data.get("image_key") or "image",
                                       data.get("label_key") or "label",
                                       field=PP_EVAL_FIELD)
+    # `batches` (the evaluation step's input): uint8 with
+    # `data.device_normalize`; everything else reads the float32 output.
+    self._batch_preprocess = PreprocessSpec(
+        data["pp_eval"], data.get("image_key") or "image",
+        data.get("label_key") or "label", field=PP_EVAL_FIELD,
+        device_normalize=bool(data.get("device_normalize")))
     split = split or data.get("test_split") or "test"
     self._source = streaming.open_source(
         data["tfds_name"], split, data.get("data_dir"),
@@ -185,7 +193,7 @@ class StreamingEvalSplit:
       # W, interleaved back in order), and batches are formed here: so the
       # batches do not depend on the worker count.
       dataset = (grain.MapDataset.source(self._source)
-                 .slice(slice(start, stop)).map(self._preprocess)
+                 .slice(slice(start, stop)).map(self._batch_preprocess)
                  .to_iter_dataset(grain.ReadOptions(
                      num_threads=max(1, min(16, self._prefetch)),
                      prefetch_buffer_size=self._prefetch)))
@@ -200,11 +208,23 @@ class StreamingEvalSplit:
         produced += 1
         yield batch
     if produced < total:  # A shorter share: all-padding batches.
-      shape = self._preprocess(self._source[0])["image"].shape
-      padding = _PadBatch(rows)({"image": np.zeros((0,) + shape, np.float32),
+      image = self._batch_preprocess(self._source[0])["image"]
+      padding = _PadBatch(rows)({"image": np.zeros((0,) + image.shape,
+                                                   image.dtype),
                                  "label": np.zeros(0, np.int32)})
       for _ in range(total - produced):
         yield dict(padding)
+
+  def device_map(self):
+    """With `data.device_normalize`: the evaluation step's first op
+    (`device_normalize.DeviceNormalize`, pp_eval's trailing pixel map, for
+    the channels of record 0's image) for the uint8 `batches`; else None."""
+    split = self._batch_preprocess.split
+    if split is None:
+      return None
+    from vmoe_ext.data.device_normalize import DeviceNormalize  # pylint: disable=g-import-not-at-top
+    channels = self._batch_preprocess(self._source[0])["image"].shape[-1]
+    return DeviceNormalize(split[1], channels)
 
   def analysis_dataset(self, max_examples: int | None,
                        indices: np.ndarray | None = None) -> ArrayDataset:

@@ -85,7 +85,7 @@ def check_streaming_config(data: Mapping[str, Any]) -> None:
           "required with data.streaming=True: the side of pp_train's output "
           "images, to which the in-memory test split is resized")
   from vmoe_ext.data.device_normalize import check_device_normalize  # pylint: disable=g-import-not-at-top
-  check_device_normalize(data, pipeline)
+  check_device_normalize(data)
   want_mean, want_std = pp_normalization(pipeline)
   if data.get("pp_eval") is not None:
     evaluation = pp.parse(data["pp_eval"], "pp_eval")

@@ -205,7 +205,8 @@ def make_train_step(model: nn.Module, *, label_smoothing: float = 0.0,
   return train_step
 
 
-def make_eval_step(model: nn.Module, loss_type: str = LOSSES[0]
+def make_eval_step(model: nn.Module, loss_type: str = LOSSES[0],
+                   input_map: Callable[[Array], Array] | None = None
                    ) -> Callable[[TrainState, Batch], dict]:
   """Returns `eval_step(state, batch) -> sums` (not jitted); the summed
   `loss` is the run's `train.loss` (`cross_entropy`).
@@ -213,11 +214,16 @@ def make_eval_step(model: nn.Module, loss_type: str = LOSSES[0]
   `batch["mask"]` marks real examples (padding is False). The returned sums
   (`count`, `correct_top1`, `correct_top5`, `loss`) are over real examples;
   routing metrics are per batch (weighted by `count` when aggregated).
+  `input_map` (as in `make_train_step`, for uint8 batches): the first op,
+  padding rows set to 0 after it, as the float32 batches pad them.
   """
 
   def eval_step(state: TrainState, batch: Batch) -> dict:
-    logits, metrics, _ = forward_pass(model, state.variables(),
-                                      batch["image"])
+    images = batch["image"]
+    if input_map is not None:
+      real = batch["mask"].reshape((-1,) + (1,) * (images.ndim - 1))
+      images = jnp.where(real, input_map(images), 0.0)
+    logits, metrics, _ = forward_pass(model, state.variables(), images)
     mask = batch["mask"].astype(jnp.float32)
     labels = batch["label"]
     return {
