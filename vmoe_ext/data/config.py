@@ -58,9 +58,9 @@ DATA_TFDS: dict[str, Spec] = {
     "worker_count": Field("int", 0, low=0,
                           doc="streaming: preprocessing processes (0: none)"),
     "device_normalize": Field("bool", False,
-                              doc="streaming: uint8 train batches, "
-                                  "pp_train's trailing value_range applied "
-                                  "in the train step (bit-identical)"),
+                              doc="streaming: uint8 batches, pp_train's "
+                                  "(pp_eval's) trailing value_range applied "
+                                  "in the step (bit-identical)"),
     "pp_eval": Field("str", None, nullable=True,
                      doc="streaming: eval preprocessing string; set: the "
                          "test split streams too"),
