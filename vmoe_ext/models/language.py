@@ -45,6 +45,7 @@ from vmoe_ext.models.precision import (PRECISION_FIELDS, cast_params,
                                        float32_state, resolve_dtype)
 from vmoe_ext.models.seq_attention import (SeqAttention, next_cache,
                                            torch_bias_init, torch_linear_init)
+from vmoe_ext.models.stack import block_builder, check_remat
 from vmoe_ext.models.sublayer import (DEFAULT_STREAM, MlpBlock,
                                       build_moe_layer, check_moe_placement,
                                       mlp_sublayer)
@@ -152,6 +153,8 @@ class LanguageModel(nn.Module):
       initialisers, vmoe's).
     state_axis_name, expert_parallel, dtype, param_dtype: as
       `VisionTransformerMoe`'s.
+    remat: as `VisionTransformerMoe`'s, per layer (`layer`).
+    scan: False only (no scan over the language model's layers).
     attention: "plain" only. The cached attention's key position term
       `q . key_pe` depends on the query, so as a `jax.nn.dot_product_attention`
       bias it would be the whole `[B, N, M, L+M]` score matrix (plus the
@@ -183,11 +186,17 @@ class LanguageModel(nn.Module):
   dtype: Any = jnp.float32
   attention: str = "plain"
   param_dtype: Any = jnp.float32
+  remat: str = "none"
+  scan: bool = False
 
   def __post_init__(self):
     for field in PRECISION_FIELDS:  # Names ("bfloat16") -> dtypes.
       object.__setattr__(self, field,
                          resolve_dtype(getattr(self, field), field))
+    check_remat(self.remat)
+    require(self.scan is False, "scan",
+            "a scan over blocks is implemented for the ViT / V-MoE / SoftMoE "
+            "encoder only, not for the language model's layers; set scan=False")
     require(self.attention == "plain", "attention",
             f"the language model's cached attention has only the 'plain' "
             f"form (its key position term depends on the query, so no fused "
@@ -267,7 +276,7 @@ class LanguageModel(nn.Module):
     """Layer `spec` on `h` `[B, M, D]` (called inside `__call__`): the new
     `h`, the routing context for the next layer and the layer's metrics (None
     without an MoE sub-layer). Subclasses replace layers here."""
-    return LanguageLayer(
+    return block_builder(LanguageLayer, self.remat, 4)(
         ffn=spec.ffn, num_heads=self.num_heads,
         inner_hidden_size=self.inner_hidden_size,
         dropout_rate=self.dropout_rate, moe=self.layer_moe(spec),

@@ -32,6 +32,7 @@ from vmoe_ext.models.heads import classifier_head
 from vmoe_ext.models.precision import (PRECISION_FIELDS, at_least_float32,
                                        cast_params, float32_state,
                                        resolve_dtype)
+from vmoe_ext.models.stack import block_builder, check_remat
 from vmoe_ext.models.sublayer import (DEFAULT_STREAM, check_moe_placement,
                                       check_stream_placement, mlp_sublayer,
                                       moe_config)
@@ -184,6 +185,8 @@ class SwinTransformerMoe(nn.Module):
     stream: the residual stream (`vmoe_ext.streams`; default plain).
     state_axis_name, expert_parallel, dtype, param_dtype: as
       `VisionTransformerMoe`'s.
+    remat: as `VisionTransformerMoe`'s, per Swin block.
+    scan: False only (no scan over Swin stages).
 
   Calling it returns `(logits [B, num_classes], metrics)` as the ViT does
   (`auxiliary_loss`, `layer_i/...` per MoE block i), and the MoE layers sow
@@ -216,11 +219,17 @@ class SwinTransformerMoe(nn.Module):
   expert_parallel: Optional[ExpertParallel] = None
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
+  remat: str = "none"
+  scan: bool = False
 
   def __post_init__(self):
     for field in PRECISION_FIELDS:  # Names ("bfloat16") -> dtypes.
       object.__setattr__(self, field,
                          resolve_dtype(getattr(self, field), field))
+    check_remat(self.remat)
+    require(self.scan is False, "scan",
+            "a scan over blocks is implemented for the ViT / V-MoE / SoftMoE "
+            "encoder only, not for Swin stages; set scan=False")
     require(isinstance(self.num_classes, int) and self.num_classes > 0,
             "num_classes", f"must be positive, got {self.num_classes!r}")
     patch = tuple(self.patch_size) if isinstance(
@@ -421,7 +430,7 @@ class SwinTransformerMoe(nn.Module):
           axis_name=self.state_axis_name, moe_blocks=moe_stages[s])
       for i in range(depth):
         block = self.stage_start(s) + i
-        x, ctx, layer_metrics = SwinBlock(
+        x, ctx, layer_metrics = block_builder(SwinBlock, self.remat, 2)(
             num_heads=heads, grid=grid, window=window,
             shift=shift if i % 2 else 0,
             mlp_dim=int(width * self.mlp_ratio),

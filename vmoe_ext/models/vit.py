@@ -10,7 +10,7 @@ residual streams that look across layers stay pure functions.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import flax.linen as nn
 import jax
@@ -26,6 +26,8 @@ from vmoe_ext.models.precision import (PRECISION_FIELDS, at_least_float32,
                                        float32_state, resolve_dtype)
 from vmoe_ext.models.position import (add_fixed_position_emb,
                                       check_position_emb)
+from vmoe_ext.models.stack import (Segment, apply_stack, block_builder,
+                                    check_remat, check_scan, plan_segments)
 from vmoe_ext.models.sublayer import (DEFAULT_STREAM, MOE_DEFAULTS, MlpBlock,
                                       build_moe_layer, check_moe_placement,
                                       check_stream_placement, mlp_sublayer,
@@ -33,7 +35,6 @@ from vmoe_ext.models.sublayer import (DEFAULT_STREAM, MOE_DEFAULTS, MlpBlock,
 from vmoe_ext.moe.contract import RoutingContext
 from vmoe_ext.moe.expert_parallel import ExpertParallel
 from vmoe_ext.moe.experts import check_activation
-from vmoe_ext.naming import metric_key, param_name
 from vmoe_ext.streams import STREAMS
 
 Array = jax.Array
@@ -127,6 +128,16 @@ class VisionTransformerMoe(nn.Module):
       `axis_name`, for a model applied inside a data-parallel `shard_map`
       or `pmap`; under `jit` over a mesh the arrays are global and the
       statistics are the whole batch's without it.
+    remat: "none" (keep every activation), "full" (recompute each block's
+      activations in the backward pass) or a `jax.checkpoint_policies` name
+      of `vmoe_ext.models.stack.REMAT_POLICIES` (e.g. "dots_saveable": keep
+      the matmul outputs), per encoder block; same values and gradients.
+    scan: apply runs of identical blocks (periods of the MoE placement) with
+      one `nn.scan` (`vmoe_ext.models.stack`): params of a run are stacked
+      `[n, ...]` under `scan_{start}_{period}x{n}`; same values. Not for
+      routers or streams that read the block position (Symphony, ACMoE,
+      the first-layer and time-varying momentum streams) nor with
+      expert_parallel.
     expert_parallel: None, or the mesh layout of expert parallelism
       (`vmoe_ext.moe.expert_parallel.ExpertParallel`, from the `sharding`
       config section): every MoE layer runs its experts in a `shard_map`
@@ -168,6 +179,8 @@ class VisionTransformerMoe(nn.Module):
   expert_parallel: Optional[ExpertParallel] = None
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
+  remat: str = "none"
+  scan: bool = False
 
   def __post_init__(self):
     for field in PRECISION_FIELDS:  # Names ("bfloat16") -> dtypes.
@@ -219,6 +232,15 @@ class VisionTransformerMoe(nn.Module):
                           self.dropout_rate, self.dtype, self.mlp_activation)
     else:
       check_stream_placement(stream, ((),))
+    check_remat(self.remat)
+    check_scan(self.scan, moe and build_moe_layer(
+        moe, self.mlp_dim, self.dropout_rate, self.dtype,
+        self.mlp_activation, parent=None).router,
+               STREAMS.build(stream, parent=None))
+    require(not (self.scan and self.expert_parallel is not None), "scan",
+            "a scan over blocks does not run with expert parallelism (its "
+            "stacked expert weights would need their own sharding); set "
+            "scan=False")
     object.__setattr__(self, "moe", moe)
     object.__setattr__(self, "stream", stream)
     super().__post_init__()
@@ -233,6 +255,14 @@ class VisionTransformerMoe(nn.Module):
       return ()
     return resolve_moe_layers(self.num_layers, self.moe["layers"],
                               self.moe["every"], self.moe["last"])
+
+  @property
+  def scan_segments(self) -> Optional[tuple[Segment, ...]]:
+    """The scanned runs and unrolled blocks (None: `scan` off)."""
+    if not self.scan:
+      return None
+    moe_layers = self.moe_layers
+    return plan_segments([b in moe_layers for b in range(self.num_layers)])
 
   def check_image_size(self, image_size: tuple[int, int]) -> None:
     """Raises ConfigError on `patch_size` unless it divides `(H, W)`."""
@@ -287,9 +317,11 @@ class VisionTransformerMoe(nn.Module):
         stream_state=float32_state(
             STREAMS.build(self.stream, parent=None).init_state(x)),
         axis_name=self.state_axis_name, moe_blocks=moe_layers)
-    metrics: dict[str, Any] = {}
-    for block in range(self.num_layers):
-      x, ctx, layer_metrics = EncoderBlock(
+    make_block = block_builder(EncoderBlock, self.remat, 2,
+                               prevent_cse=not self.scan)
+
+    def build(block: int, name: str) -> Callable:
+      return make_block(
           num_heads=self.num_heads, mlp_dim=self.mlp_dim,
           dropout_rate=self.dropout_rate,
           attention_dropout_rate=self.attention_dropout_rate,
@@ -300,11 +332,12 @@ class VisionTransformerMoe(nn.Module):
           attention=self.attention,
           moe=self.moe if block in moe_layers else None, stream=self.stream,
           dtype=self.dtype, expert_parallel=self.expert_parallel,
-          name=param_name(block))(
-              x, ctx.at_block(block), deterministic=deterministic,
-              update_state=update_state)
-      if layer_metrics is not None:  # Keyed by block: `layer_{block}`.
-        metrics[metric_key(block)] = layer_metrics
+          name=name)
+
+    # Keyed by block: `layer_{block}`.
+    x, ctx, metrics = apply_stack(
+        build, x, ctx, self.num_layers, self.scan_segments,
+        deterministic=deterministic, update_state=update_state)
     x = nn.LayerNorm(name="encoder_norm", dtype=self.dtype)(x)
     logits = classifier_head(
         x, num_classes=self.num_classes, classifier=self.classifier,

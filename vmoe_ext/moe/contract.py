@@ -249,6 +249,10 @@ class Router(nn.Module):
   # (False for top-p, whose K varies per token). Routers that re-select from
   # a base router's gates (Symphony) need it.
   fixed_top_k: ClassVar[bool] = True
+  # Whether the router may run inside a scan over blocks (`model.scan`):
+  # False when it reads `ctx.block`, `ctx.records` or `ctx.moe_index` (its
+  # routing depends on the block's position or on earlier MoE layers).
+  scan_safe: ClassVar[bool] = True
 
   def __init_subclass__(cls, **kwargs: Any) -> None:
     """Reports a `ValueError` of a subclass's `__post_init__` (a router's

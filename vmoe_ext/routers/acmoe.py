@@ -28,7 +28,7 @@ authors' code computes them per device batch.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, ClassVar, Mapping, Optional, Sequence, Union
 
 import flax.linen as nn
 import jax
@@ -145,6 +145,7 @@ class ACMoERouter(WrapperRouter):
       for the language model, whose groups are its rows (one row of a block
       per group), this makes the AC layer causal.
   """
+  scan_safe: ClassVar[bool] = False  # Reads the block's position.
   base: Mapping[str, Any] = dataclasses.field(
       default_factory=lambda: {"name": "noisy_topk", "num_selected": 2})
   normalization: str = "paper"

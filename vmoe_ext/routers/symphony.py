@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 import flax.linen as nn
 import jax
@@ -163,6 +163,7 @@ class SymphonyRouter(WrapperRouter):
     renormalize_gates: combine with the K smoothed gates divided by their
       sum instead of their raw values (Eq. 8).
   """
+  scan_safe: ClassVar[bool] = False  # Reads the block's position.
   base: Mapping[str, Any] = dataclasses.field(
       default_factory=lambda: {"name": "noisy_topk", "num_selected": 2})
   beta: float = 0.9

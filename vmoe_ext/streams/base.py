@@ -32,7 +32,7 @@ than one. `aux` is for the stream's own use (None for dense blocks).
 
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol
+from typing import Any, ClassVar, Optional, Protocol
 
 import flax.linen as nn
 import jax
@@ -59,6 +59,9 @@ class ResidualStream(nn.Module):
     blocks: "moe" (apply to MoE blocks only) or "all" (dense blocks too).
   """
   blocks: str = "moe"
+  # Whether the stream may run inside a scan over blocks (`model.scan`):
+  # False when its update reads the block's position (`ctx.moe_index`).
+  scan_safe: ClassVar[bool] = True
 
   def __post_init__(self):
     require(self.blocks in BLOCKS, "stream.blocks",

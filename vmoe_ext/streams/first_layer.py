@@ -11,7 +11,7 @@ of `MomentumStream.heavy_ball`).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import jax
 
@@ -33,6 +33,7 @@ class FirstLayerThenHeavyBall(MomentumStream):
     momentum_mu / momentum_gamma: heavy-ball coefficients of the later MoE
       blocks (None: the subclass's default).
   """
+  scan_safe: ClassVar[bool] = False  # Reads the block's position.
   block: Optional[int] = None
   momentum_mu: Optional[float] = None
   momentum_gamma: Optional[float] = None

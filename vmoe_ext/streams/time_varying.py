@@ -11,7 +11,7 @@ for R = 3 this is the paper's SR-SMoE `(t mod 3) / (t mod 3 + 3)` with
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import jax
 
@@ -37,6 +37,7 @@ class TimeVaryingMomentum(MomentumStream):
     restart_every: restart period R in MoE blocks (None: never; the paper's
       SR-SMoE restarts after 3 of 6 layers).
   """
+  scan_safe: ClassVar[bool] = False  # Reads the block's position.
   gamma: float = 1.0
   restart_every: Optional[int] = None
 

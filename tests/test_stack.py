@@ -1,0 +1,182 @@
+"""`model.remat` and `model.scan` (`vmoe_ext.models.stack`).
+
+Remat: values, persistent router state, intermediates and `jax.grad` equal
+bit for bit to the same model without remat (ViT with CMoE's balancing
+bias, Swin, the language model). Scan: the segment plan by hand; values,
+metrics and gradients equal to the unrolled model on the same parameters
+(converted layout), and the conversion exact both ways; config errors.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from vmoe_ext.errors import ConfigError
+from vmoe_ext.models.language import LanguageModel
+from vmoe_ext.models.stack import (REMAT_CHOICES, Segment, plan_segments,
+                                   to_layout)
+from vmoe_ext.models.swin import SwinTransformerMoe
+from vmoe_ext.models.vit import VisionTransformerMoe
+
+IMAGES = jax.random.normal(jax.random.key(0), (2, 8, 8, 3))
+RNGS = {"params": jax.random.key(1), "gating": jax.random.key(2),
+        "dropout": jax.random.key(3)}
+
+
+def vit(**fields):
+  moe = fields.pop("moe", {"every": 2, "num_experts": 4, "router": {
+      "name": "cmoe", "num_selected": 2}})
+  fields = {"num_layers": 4, **fields}
+  return VisionTransformerMoe(num_classes=3, patch_size=(4, 4),
+                              hidden_size=8, num_heads=2, mlp_dim=8, moe=moe,
+                              **fields)
+
+
+def random_variables(model, *args, seed=0):
+  """Every variable drawn from NumPy on the model's shapes (the router
+  state too, so a bias that starts at zero is not trivially equal)."""
+  rng = np.random.default_rng(seed)
+  shapes = jax.eval_shape(lambda: model.init(RNGS, *args))
+  return jax.tree.map(
+      lambda s: jnp.asarray(rng.normal(size=s.shape) * 0.5, s.dtype),
+      dict(shapes))
+
+
+def train_step(model, variables, *args, jit=False):
+  """`(grads, (logits, metrics, new collections))` of a training call."""
+  params = variables["params"]
+  rest = {k: v for k, v in variables.items() if k != "params"}
+
+  def loss(p):
+    (logits, metrics), new = model.apply(
+        {"params": p, **rest}, *args, deterministic=True, update_state=True,
+        mutable=["router_state", "intermediates"])
+    value = jnp.sum(jnp.sin(logits)) + metrics["auxiliary_loss"]
+    return value, (logits, metrics, new)
+
+  grad = jax.grad(loss, has_aux=True)
+  return (jax.jit(grad) if jit else grad)(params)
+
+
+def assert_equal(got, want):
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
+def test_vit_remat_is_bit_identical():
+  """Primitive by primitive (`disable_jit`) remat computes the same values
+  and gradients bit for bit; jitted, XLA fuses the recomputed backward
+  differently, so the forward values stay bit-identical and the gradients
+  agree to float32 rounding."""
+  plain = vit(num_layers=2)
+  variables = random_variables(plain, IMAGES)
+  assert "router_state" in variables
+  with jax.disable_jit():
+    want = train_step(plain, variables, IMAGES)
+    got = train_step(vit(num_layers=2, remat="full"), variables, IMAGES)
+    assert_equal(got, want)
+  # The CMoE bias did move: update_state reached the rematted block.
+  bias = lambda v: v["router_state"]["encoderblock_1"]["Moe"]["router"]
+  assert not np.array_equal(bias(got[1][2])["bias"], bias(variables)["bias"])
+  assert "moe_output" in got[1][2]["intermediates"]["encoderblock_1"]["Moe"]
+
+  want = train_step(plain, variables, IMAGES, jit=True)
+  got = train_step(vit(num_layers=2, remat="dots_saveable"), variables,
+                   IMAGES, jit=True)
+  assert_equal(got[1], want[1])
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6,
+                                                       atol=1e-7),
+               got[0], want[0])
+
+
+def test_swin_and_lm_remat_are_bit_identical():
+  swin = dict(num_classes=3, patch_size=(2, 2), embed_dim=4, depths=(2,),
+              num_heads=(2,), window_size=2, drop_path_rate=0.0,
+              moe={"num_experts": 2}, moe_blocks=((1,),))
+  lm = dict(vocab_size=7, hidden_size=4, inner_hidden_size=4, num_heads=2,
+            num_layers=2, attn_span=3, architecture="sgsg",
+            moe={"num_experts": 2, "dispatcher": "indices"})
+  tokens = jnp.asarray([[1, 2, 3], [4, 5, 6]])
+  cache = LanguageModel(**lm).zero_cache(2)
+
+  def lm_grads(model, variables):
+    def loss(p):
+      log_probs, _, metrics = model.apply(
+          {**variables, "params": p}, tokens, cache, deterministic=True)
+      return jnp.sum(log_probs[..., 0]) + metrics["auxiliary_loss"]
+    return jax.value_and_grad(loss)(variables["params"])
+
+  plain_swin, plain_lm = SwinTransformerMoe(**swin), LanguageModel(**lm)
+  swin_variables = random_variables(plain_swin, IMAGES)
+  lm_variables = random_variables(plain_lm, tokens, cache)
+  with jax.disable_jit():
+    assert_equal(train_step(SwinTransformerMoe(**swin, remat="full"),
+                            swin_variables, IMAGES),
+                 train_step(plain_swin, swin_variables, IMAGES))
+    assert_equal(lm_grads(LanguageModel(**lm, remat="dots_saveable"),
+                          lm_variables), lm_grads(plain_lm, lm_variables))
+
+
+def test_remat_and_scan_config_errors():
+  with pytest.raises(ConfigError) as error:
+    vit(remat="save_everything")
+  assert error.value.field.endswith("remat")
+  for name in REMAT_CHOICES:
+    assert repr(name) in str(error.value)
+  with pytest.raises(ConfigError, match="scan"):
+    vit(scan=True, moe={"every": 2, "num_experts": 4, "router": {
+        "name": "symphony", "base": {"name": "noisy_topk",
+                                     "num_selected": 2}}})
+  with pytest.raises(ConfigError, match="scan"):
+    vit(scan=True, stream={"name": "time_varying"})
+  with pytest.raises(ConfigError, match="scan"):
+    vit(scan="yes")
+  with pytest.raises(ConfigError, match="scan"):
+    SwinTransformerMoe(num_classes=3, scan=True)
+  with pytest.raises(ConfigError, match="scan"):
+    LanguageModel(vocab_size=7, scan=True)
+
+
+def test_plan_segments_by_hand():
+  every2 = [b % 2 == 1 for b in range(12)]
+  assert plan_segments(every2) == (Segment(0, 2, 6),)
+  last2 = [b in (9, 11) for b in range(12)]
+  assert plan_segments(last2) == (Segment(0, 1, 9), Segment(9, 1, 1),
+                                  Segment(10, 1, 1), Segment(11, 1, 1))
+  assert plan_segments([False] * 5) == (Segment(0, 1, 5),)
+  assert plan_segments([True]) == (Segment(0, 1, 1),)
+
+
+@pytest.mark.parametrize("moe", [
+    {"every": 2, "num_experts": 4, "router": {"name": "cmoe",
+                                              "num_selected": 2}},
+    {"layers": (3, 5), "num_experts": 4},  # 0-2 scanned, 3, 4, 5 unrolled.
+])
+def test_scan_equals_unrolled(moe):
+  unrolled, scanned = vit(moe=moe, num_layers=6), vit(moe=moe, num_layers=6,
+                                                      scan=True,
+                                                      remat="full")
+  assert any(s.scanned for s in scanned.scan_segments)
+  variables = random_variables(unrolled, IMAGES)
+  like = jax.eval_shape(lambda: scanned.init(RNGS, IMAGES))
+  converted = to_layout(variables, like)
+  assert (jax.tree.map(jnp.shape, converted)
+          == jax.tree.map(lambda s: s.shape, dict(like)))
+  back = to_layout(converted, variables)
+  assert jax.tree.structure(back) == jax.tree.structure(variables)
+  jax.tree.map(np.testing.assert_array_equal, back, variables)
+
+  want = train_step(unrolled, variables, IMAGES, jit=True)
+  got = train_step(scanned, converted, IMAGES, jit=True)
+  grads, (logits, metrics, new) = got
+  close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5,
+                                                  atol=1e-6)
+  close(logits, want[1][0])
+  assert sorted(metrics) == sorted(want[1][1])
+  jax.tree.map(close, metrics, want[1][1])
+  jax.tree.map(close, to_layout({"params": grads}, variables)["params"],
+               want[0])
+  if "router_state" in new:
+    jax.tree.map(close, to_layout(new, want[1][2])["router_state"],
+                 want[1][2]["router_state"])
