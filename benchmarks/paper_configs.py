@@ -24,6 +24,10 @@ model of `configs/imagenet.py` (a bare name) and of
   `activation_bytes_per_image`, the slope (it grows a little with the
   batch: V-MoE S/32 Last-2 reads 28.6 MiB/image between 8 and 32, 33.1
   between 32 and 256, 32.9 between 256 and 1024);
+* the same slope with `model.remat` set to each policy of `--remat`
+  (default "full,dots_saveable"): `activation_bytes_per_image_remat_POLICY`,
+  what XLA plans when each block's activations are recomputed in the
+  backward pass (`vmoe_ext.models.stack`);
 * without `--quick`, also the project's whole train step
   (`make_train_step`: mixup, the optimizer update, the on-device NaN guard,
   donated state) compiled at batch 32: `step_gflops_per_step`,
@@ -69,6 +73,9 @@ CONFIGS = ("vmoe_s32_every2", "vmoe_s32_last2", "vmoe_s32_every2_ft",
            "swin_moe_imagenet:top1", "swin_moe_imagenet:top2",
            "swin_moe_imagenet:top2,acmoe", "swin_moe_imagenet:top2,symphony",
            "swin_moe_imagenet:dense")
+# `model.remat` policies whose activation slope is measured too.
+REMAT = ("full", "dots_saveable")
+REMAT_KEY = "activation_bytes_per_image_remat_"
 FORWARD = 8  # Batch of the forward compile: one routing group of 8 images.
 # Batches of the two loss + backward compiles (memory slope between them).
 SMALL, LARGE = 32, 256
@@ -114,7 +121,29 @@ def _labels(batch: int) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct((batch,), jnp.int32)
 
 
-def measure(name: str, full: bool) -> dict:
+def _grad_bytes(model, params, collections) -> tuple[dict[int, int], float]:
+  """Argument + temp bytes of the training-mode loss + backward compiled at
+  batches `SMALL` and `LARGE`, and the FLOPs at `SMALL`."""
+
+  def loss(p, s, x, y):
+    logits, metrics = model.apply(
+        {"params": p, **s}, x, deterministic=False,
+        rngs={"gating": jax.random.key(1), "dropout": jax.random.key(2)})
+    return jnp.mean(cross_entropy(logits, y)) + metrics["auxiliary_loss"]
+
+  grad_bytes, flops = {}, 0.0
+  for batch in (SMALL, LARGE):
+    compiled = jax.jit(jax.grad(loss)).lower(
+        params, collections, _images(batch), _labels(batch)).compile()
+    memory = compiled.memory_analysis()
+    grad_bytes[batch] = (memory.argument_size_in_bytes
+                         + memory.temp_size_in_bytes)
+    if batch == SMALL:
+      flops = _cost(compiled)["flops"]
+  return grad_bytes, flops
+
+
+def measure(name: str, full: bool, remat: tuple[str, ...] = ()) -> dict:
   """The figures of one config (module docstring)."""
   start = time.perf_counter()
   file, _, arg = name.rpartition(":") if ":" in name else ("", "", name)
@@ -140,24 +169,16 @@ def measure(name: str, full: bool) -> dict:
                     ).lower(params, collections, _images(FORWARD)).compile()
   out["forward_gflops_per_image"] = _cost(forward)["flops"] / FORWARD / 1e9
 
-  def loss(p, s, x, y):
-    logits, metrics = model.apply(
-        {"params": p, **s}, x, deterministic=False,
-        rngs={"gating": jax.random.key(1), "dropout": jax.random.key(2)})
-    return jnp.mean(cross_entropy(logits, y)) + metrics["auxiliary_loss"]
-
-  grad_bytes = {}
-  for batch in (SMALL, LARGE):
-    compiled = jax.jit(jax.grad(loss)).lower(
-        params, collections, _images(batch), _labels(batch)).compile()
-    memory = compiled.memory_analysis()
-    grad_bytes[batch] = (memory.argument_size_in_bytes
-                         + memory.temp_size_in_bytes)
-    if batch == SMALL:
-      out["train_gflops_per_image"] = _cost(compiled)["flops"] / SMALL / 1e9
+  grad_bytes, flops = _grad_bytes(model, params, collections)
+  out["train_gflops_per_image"] = flops / SMALL / 1e9
   per_image = (grad_bytes[LARGE] - grad_bytes[SMALL]) / (LARGE - SMALL)
   out["activation_bytes_per_image"] = int(per_image)
   out["grad_step_fixed_bytes"] = int(grad_bytes[SMALL] - per_image * SMALL)
+  for policy in remat:  # The same slope with `model.remat` set.
+    rematted = build_model({**config.model.to_dict(), "remat": policy})
+    remat_bytes, _ = _grad_bytes(rematted, params, collections)
+    out[f"activation_bytes_per_image_remat_{policy}"] = int(
+        (remat_bytes[LARGE] - remat_bytes[SMALL]) / (LARGE - SMALL))
 
   # The whole step holds the optimizer state and, with the NaN guard's
   # leaf-by-leaf select, a second copy of the updated params and moments;
@@ -241,13 +262,18 @@ def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true",
                       help="skip the whole-train-step compiles")
+  parser.add_argument("--remat", default=",".join(REMAT),
+                      help="comma-separated model.remat policies whose "
+                      "activation bytes per image to measure too (empty: "
+                      "none)")
   parser.add_argument("--configs", default=";".join(CONFIGS),
                       help="semicolon-separated models: a name of "
                       "configs/imagenet.py or swin_moe_imagenet:ARG")
   args = parser.parse_args(argv)
   figures = {}
   for name in args.configs.split(";"):
-    figures[name] = measure(name, full=not args.quick)
+    figures[name] = measure(name, full=not args.quick,
+                            remat=tuple(filter(None, args.remat.split(","))))
     f = figures[name]
     gib = lambda key: f[key] / 2**30  # pylint: disable=cell-var-from-loop
     print(f"{name}: {f['params'] / 1e6:.2f} M params "
@@ -256,7 +282,10 @@ def main(argv=None) -> dict:
           f"{f['train_gflops_per_image']:.2f} GFLOP/image, "
           f"{f['train_exaflops']:.2f} EFLOP in {f['total_steps']} steps of "
           f"{f['batch']}; activations "
-          f"{f['activation_bytes_per_image'] / 2**20:.1f} MiB/image; one "
+          f"{f['activation_bytes_per_image'] / 2**20:.1f} MiB/image ("
+          + ", ".join(f"remat {k[len(REMAT_KEY):]} {v / 2**20:.1f}"
+                      for k, v in f.items() if k.startswith(REMAT_KEY))
+          + "); one "
           f"device {gib('device_bytes_one_device'):.1f} GiB, 8-way "
           f"{gib('device_bytes_dp8'):.1f} GiB ({f['seconds']:.0f} s)",
           flush=True)
