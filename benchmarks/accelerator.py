@@ -17,15 +17,17 @@ fixed random batch, and for each candidate the JSON has:
   (`compiled.cost_analysis()["flops"]`; XLA counts a multiply-add as 2);
 * `mfu`: those FLOPs per second over the device's dense peak in the
   candidate's compute dtype (`accelerator_models.PEAK_TFLOPS`; null on a
-  CPU or an unknown device);
+  CPU or an unknown device); for a remat candidate the FLOPs of the same
+  candidate without remat (model FLOPs), `hfu` with its own count;
 * `peak_bytes`: `compiled.memory_analysis().peak_memory_in_bytes` (XLA's
   plan), `compile_s`; on a GPU also `device_peak_bytes_in_use`
   (`device.memory_stats()`, the process' peak so far: it only grows).
 
 Candidates per model (`accelerator_models.AXES`, each a config override):
 the config as it is (float32), `model.dtype` bfloat16 with float32
-parameters, `model.remat` full (in bfloat16 where it exists), each
-`model.moe.dispatcher` (V-MoE only), and for the two V-MoEs the dense ViT of
+parameters, `model.remat` full (in bfloat16 where it exists),
+`model.attention` "cudnn" (on a GPU), each `model.moe.dispatcher` (V-MoE
+only), and for the two V-MoEs the dense ViT of
 equal active FLOPs (`dense_equivalent_mlp_dim`): `moe_over_dense` = the MoE
 step time over that dense step's in the same dtype (goal <= 1.25 on one
 H100 in bfloat16). An axis whose model field does not exist yet is listed
@@ -34,8 +36,9 @@ in `skipped` with the reason instead of being measured.
 Then the host input pipeline (`input_pipeline.measure_host`: images/s per
 core of the V-MoE paper's train preprocessing on this host, and the cores
 needed to feed the fastest measured V-MoE S/32 step), and the router and
-stream overheads at Swin-MoE-S (`accelerator_overheads`) next to the
-papers' own efficiency tables. `--budget-s` stops starting new groups once
+stream overheads at Swin-MoE-S (`accelerator_overheads`) and the language
+model's at Switch-medium (`accelerator_lm`; not with `--quick`), next to
+the papers' own efficiency tables. `--budget-s` stops starting new groups once
 that many seconds have passed (the rest are listed in `skipped`);
 `--json-out PATH` also writes the figures to PATH, after each model too
 (`"partial": true` until the end).
@@ -63,6 +66,7 @@ from typing import Any, Callable, Mapping, Optional
 import jax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import accelerator_lm  # noqa: E402
 import accelerator_models as am  # noqa: E402
 import accelerator_overheads as ao  # noqa: E402
 from common import (compile_train_steps, image_batch,  # noqa: E402
@@ -93,6 +97,15 @@ def candidates(name: str, config: dict, skipped: dict) -> dict[str, dict]:
     skipped.setdefault("remat", why)
   else:
     out[f"{_dtype(best)}_remat_full"] = remats["full"]
+  if jax.default_backend() != "gpu":
+    skipped.setdefault("attention", "the cuDNN candidate runs on a GPU only "
+                       "(benchmarks/attention.py: plain vs fused on a CPU)")
+  else:
+    attention, why = am.axis_overrides("attention", best)
+    if why:
+      skipped.setdefault("attention", why)
+    else:
+      out[f"{_dtype(best)}_cudnn"] = attention["cudnn"]
   if name in am.DENSE_EQUIVALENT:
     dispatchers, _ = am.axis_overrides("dispatcher", best)
     for label, c in dispatchers.items():
@@ -107,10 +120,16 @@ def measure(configs: Mapping[str, dict], batch: int, image: int, steps: int,
   """The figures of each candidate of one group, timed side by side."""
   data = image_batch(batch, image, num_classes=next(
       iter(configs.values()))["num_classes"])
-  compiled, states, flops, compile_s = {}, {}, {}, {}
+  compiled, states, flops, compile_s, failed = {}, {}, {}, {}, {}
   for label, config in configs.items():
     start = time.perf_counter()
-    c, s, f = compile_train_steps({label: config}, data, OPTIMIZER)
+    try:
+      c, s, f = compile_train_steps({label: config}, data, OPTIMIZER)
+    except Exception as e:  # pylint: disable=broad-except
+      # E.g. out of device memory at a paper batch: the others still run.
+      failed[label] = f"{type(e).__name__}: {str(e)[:300]}"
+      print(f"  {label}: {failed[label]}", flush=True)
+      continue
     compile_s[label] = time.perf_counter() - start
     compiled.update(c)
     states.update(s)
@@ -135,6 +154,7 @@ def measure(configs: Mapping[str, dict], batch: int, image: int, steps: int,
   if stats and "peak_bytes_in_use" in stats:
     for figures in out.values():
       figures["device_peak_bytes_in_use"] = int(stats["peak_bytes_in_use"])
+  out.update({label: {"error": why} for label, why in failed.items()})
   del compiled, states
   gc.collect()
   return out
@@ -162,9 +182,17 @@ def model_figures(quick: bool, steps: int, repeats: int, deadline: float,
       for label in [l for l in group if l in ("float32", "bfloat16")]:
         extra = am.axis_overrides("dtype", dense_config)[0].get(label, {})
         group[f"dense_eq_{label}"] = extra or dense_config
-    models[name] = measure(group, batch, image, steps, repeats)
     print(f"{name} (batch {batch}, {image} px):", flush=True)
+    try:
+      models[name] = measure(group, batch, image, steps, repeats)
+    except Exception as e:  # pylint: disable=broad-except
+      skipped[f"model:{name}"] = f"{type(e).__name__}: {str(e)[:300]}"
+      print(f"  {skipped[f'model:{name}']}", flush=True)
+      continue
+    am.remat_model_flops(models[name])
     for label, f in models[name].items():
+      if "error" in f:
+        continue
       mfu = "-" if f["mfu"] is None else f"{f['mfu']:.1%}"
       print(f"  {label:<22}{f['ms_per_step']:>10.1f} ms {f['images_per_s']:>9.1f}"
             f" img/s {f['gflops_per_step']:>9.1f} GFLOP  MFU {mfu:>6}  "
@@ -174,7 +202,8 @@ def model_figures(quick: bool, steps: int, repeats: int, deadline: float,
           label: models[name][label]["ms_per_step"]
           / models[name][f"dense_eq_{label}"]["ms_per_step"]
           for label in ("float32", "bfloat16")
-          if f"dense_eq_{label}" in models[name]}
+          if "ms_per_step" in models[name].get(label, {})
+          and "ms_per_step" in models[name].get(f"dense_eq_{label}", {})}
     save(models)
   return models, ratios
 
@@ -188,8 +217,13 @@ def host_pipeline(quick: bool, models: dict, skipped: dict) -> dict:
     return {}
   step = max((f["images_per_s"] for label, f in
               models.get("vmoe_s32_every2", {}).items()
-              if not label.startswith("dense_eq")), default=None)
-  return measure_host(quick=quick, step_images_per_s=step)
+              if not label.startswith("dense_eq") and "images_per_s" in f),
+             default=None)
+  try:
+    return measure_host(quick=quick, step_images_per_s=step)
+  except Exception as e:  # pylint: disable=broad-except
+    skipped["host_pipeline"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return {}
 
 
 def overhead_figures(model: str, quick: bool, steps: int, repeats: int
@@ -198,14 +232,16 @@ def overhead_figures(model: str, quick: bool, steps: int, repeats: int
   `--quick`: `ao.QUICK`'s candidates only)."""
   config, batch, image = am.model_config(model, quick)
   group = {n: c for n, c in ao.candidates(config).items()
-           if not quick or n in ao.QUICK}
+           if not quick or n == "baseline" or n in ao.QUICK}
   figures = measure(group, batch, image, steps, repeats, control="baseline")
-  ms = {n: f["ms_per_step"] for n, f in figures.items()}
+  ms = {n: f["ms_per_step"] for n, f in figures.items() if "error" not in f}
   out = {n: {"overhead": ms[n] / ms[ao.reference(n)] - 1,
              "flops_overhead": figures[n]["gflops_per_step"]
              / figures[ao.reference(n)]["gflops_per_step"] - 1,
              "reference": ao.reference(n), "ms_per_step": ms[n]}
-         for n in figures if n not in ("baseline", "control")}
+         for n in ms if n not in ("baseline", "control")
+         and ao.reference(n) in ms}
+  out.update({n: f for n, f in figures.items() if "error" in f})
   out["control"] = {"overhead": ms["control"] / ms["baseline"] - 1}
   out["baseline"] = {"ms_per_step": ms["baseline"], "batch": batch}
   for name, f in out.items():
@@ -249,10 +285,27 @@ def main(argv=None) -> dict:
   else:
     model = am.QUICK_MODELS[0] if args.quick else "swin_moe_s_top2"
     print(f"router and stream overheads ({model}):", flush=True)
-    overheads = {model: overhead_figures(model, args.quick, steps, repeats)}
-  skipped["overheads_switch_medium"] = (
-      "language-model step not in this benchmark yet "
-      "(configs/lm.py:switch_medium)")
+    try:
+      overheads = {model: overhead_figures(model, args.quick, steps,
+                                           repeats)}
+    except Exception as e:  # pylint: disable=broad-except
+      skipped["overheads"] = f"{type(e).__name__}: {str(e)[:300]}"
+  if args.quick:
+    skipped["overheads_switch_medium"] = "--quick (full runs only)"
+  elif time.perf_counter() > deadline:
+    skipped["overheads_switch_medium"] = "time budget"
+  else:
+    print("language-model method overheads (switch_medium):", flush=True)
+    try:
+      overheads["switch_medium"] = accelerator_lm.lm_overheads(steps,
+                                                               repeats)
+      for name, f in overheads["switch_medium"].items():
+        if "overhead" in f:
+          print(f"  switch_medium {name:<12}{f['overhead']:+7.2%}",
+                flush=True)
+    except Exception as e:  # pylint: disable=broad-except
+      skipped["overheads_switch_medium"] = (f"{type(e).__name__}: "
+                                            f"{str(e)[:300]}")
   figures = dict(
       quick=args.quick, backend=jax.default_backend(),
       device_kind=jax.devices()[0].device_kind, jax=jax.__version__,

@@ -6,12 +6,14 @@ Pure parts (no compile, no timing), tested in
 * `PEAK_TFLOPS` / `peak_flops`: the dense peak of known accelerators, per
   device, at the rate a model's matmuls run at in each compute dtype;
 * `mfu`: model FLOPs utilisation from an XLA FLOP count and a step time;
+  `remat_model_flops`: a remat candidate's MFU from the model's FLOPs;
 * `dense_equivalent_mlp_dim`: the MLP width of the dense ViT whose matmul
   FLOPs per token equal the active ones of a top-K V-MoE;
 * `MODELS` / `model_configs`: the six ImageNet models at their configs'
   per-device batch (or small shapes with `quick`), their dense equivalents;
 * `AXES` / `axis_overrides`: the config overrides of each measured axis
-  (compute dtype, rematerialisation, dispatcher), and whether the model
+  (compute dtype, rematerialisation, attention, dispatcher), and whether
+  the model
   class has the field an axis needs.
 """
 
@@ -19,13 +21,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 from typing import Any, Mapping, Optional
 
 # Dense (no sparsity) peak TFLOP/s per device: "bfloat16" for bfloat16
 # matmuls, "float32" for the rate float32 matmuls run at under JAX's default
 # precision (TF32 tensor cores on Ampere/Hopper GPUs, one bfloat16 pass on
-# TPUs). Matched against `jax.devices()[0].device_kind`, lowercased, by
-# substring, first match wins (so "h100 pcie" before "h100"). Vendors' data
+# TPUs). Matched against `jax.devices()[0].device_kind`, lowercased, as
+# whole words (an L40S is not an L4), first match wins (so "h100 pcie"
+# before "h100"). Vendors' data
 # sheets: H100/H200 SXM 989.4 / 494.7, H100 PCIe 756.5 / 378.0, A100 312 /
 # 156, L4 121 / 60 (their sparse figures halved), TPU v4 275, v5e 197, v5p
 # 459 (bfloat16; float32 at the bfloat16-pass rate).
@@ -48,7 +52,7 @@ def peak_flops(device_kind: str, dtype: str) -> Optional[float]:
   ("float32" or "bfloat16"); None for an unknown device (e.g. a CPU)."""
   kind = device_kind.lower()
   for key, peaks in PEAK_TFLOPS:
-    if key in kind:
+    if re.search(rf"\b{re.escape(key)}\b", kind):
       return peaks[dtype] * 1e12
   return None
 
@@ -77,6 +81,18 @@ def dense_equivalent_mlp_dim(mlp_dim: int, num_layers: int,
   if width % num_layers:
     raise ValueError(f"no integer width: {width} / {num_layers}")
   return width // num_layers
+
+
+def remat_model_flops(group: dict[str, dict]) -> None:
+  """MFU counts model FLOPs: a remat candidate's XLA count includes the
+  recomputed forward, so its `mfu` uses the FLOPs of the same candidate
+  without remat, and `hfu` (hardware FLOPs utilisation) keeps its own."""
+  for label, f in group.items():
+    base = group.get(label.split("_remat_")[0], {})
+    if "_remat_" in label and "gflops_per_step" in base and "mfu" in f:
+      f["hfu"] = f["mfu"]
+      if f["mfu"] is not None:
+        f["mfu"] *= base["gflops_per_step"] / f["gflops_per_step"]
 
 
 B16 = dict(patch_size=(16, 16), hidden_size=768, num_layers=12,
@@ -175,6 +191,8 @@ AXES: dict[str, tuple[str, dict[str, dict]]] = {
                                            "param_dtype": "float32"}}),
     "remat": ("remat", {"none": {},
                         "full": {"remat": "full"}}),
+    "attention": ("attention", {"plain": {},
+                                "cudnn": {"attention": "cudnn"}}),
     "dispatcher": ("moe", {"einsum": {"moe": {"dispatcher": "einsum"}},
                            "indices": {"moe": {"dispatcher": "indices"}},
                            "dropless": {"moe": {"dispatcher": "dropless"}}}),

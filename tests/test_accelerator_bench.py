@@ -23,6 +23,8 @@ def test_peak_lookup_by_device_kind():
   assert am.peak_flops("TPU v5 lite", "bfloat16") == 197e12
   assert am.peak_flops("TPU v5p", "bfloat16") == 459e12
   assert am.peak_flops("cpu", "float32") is None
+  assert am.peak_flops("NVIDIA L40S", "bfloat16") is None  # Not an L4.
+  assert am.peak_flops("NVIDIA L4", "bfloat16") == 121e12
 
 
 def test_mfu_arithmetic():
@@ -89,3 +91,13 @@ def test_overhead_candidates_keep_the_gate_as_base():
   assert base["moe"]["router"] == gate  # Not modified in place.
   assert ao.reference("acmoe_symphony") == "acmoe"
   assert ao.reference("xmoe") == "baseline"
+
+
+def test_remat_mfu_uses_model_flops():
+  # Remat recomputes the forward: 150 GFLOP counted, 100 of them the model's.
+  group = {"bfloat16": {"gflops_per_step": 100.0, "mfu": 0.4},
+           "bfloat16_remat_full": {"gflops_per_step": 150.0, "mfu": 0.45}}
+  am.remat_model_flops(group)
+  assert group["bfloat16_remat_full"]["hfu"] == 0.45
+  assert group["bfloat16_remat_full"]["mfu"] == pytest.approx(0.3)
+  assert group["bfloat16"] == {"gflops_per_step": 100.0, "mfu": 0.4}
