@@ -1,6 +1,7 @@
 """Accelerator benchmark: train-step time, MFU and memory of the paper models.
 
     python benchmarks/accelerator.py [--quick] [--repeats N] [--budget-s S]
+        [--models A,B] [--overheads all|swin|lm|none] [--json-out F]
 
 Issue 48, deliverable 6. Runs on whatever backend JAX finds
 (`jax.default_backend()`, `jax.devices()[0].device_kind`), one device. For
@@ -40,7 +41,8 @@ stream overheads at Swin-MoE-S (`accelerator_overheads`) and the language
 model's at Switch-medium (`accelerator_lm`; not with `--quick`), next to
 the papers' own efficiency tables. `--budget-s` stops starting new groups once
 that many seconds have passed (the rest are listed in `skipped`);
-`--json-out PATH` also writes the figures to PATH, after each model too
+`--models` / `--overheads` choose the groups (a later run can measure the
+ones a budget cut); `--json-out PATH` also writes the figures to PATH, after each model too
 (`"partial": true` until the end).
 
 `--quick` (CI on a CPU, where one train-step compile takes seconds):
@@ -161,14 +163,17 @@ def measure(configs: Mapping[str, dict], batch: int, image: int, steps: int,
 
 
 def model_figures(quick: bool, steps: int, repeats: int, deadline: float,
-                  skipped: dict, save: Callable[[dict], None]
-                  ) -> tuple[dict, dict]:
+                  skipped: dict, save: Callable[[dict], None],
+                  wanted: Optional[list[str]] = None) -> tuple[dict, dict]:
   """({model: {candidate: figures}}, {moe model: {dtype: ratio}});
-  `save(models)` after each model."""
+  `save(models)` after each model; `wanted`: these models only."""
   models, ratios = {}, {}
   for name in am.MODELS:
     if quick and name not in am.QUICK_MODELS:
       skipped[f"model:{name}"] = "--quick"
+      continue
+    if wanted is not None and name not in wanted:
+      skipped[f"model:{name}"] = "--models"
       continue
     if time.perf_counter() > deadline:
       skipped[f"model:{name}"] = "time budget"
@@ -259,6 +264,12 @@ def main(argv=None) -> dict:
                       help="interleaved timed samples (median reported)")
   parser.add_argument("--budget-s", type=float, default=float("inf"),
                       help="start no new group after this many seconds")
+  parser.add_argument("--models", default=None,
+                      help="comma-separated names of accelerator_models."
+                      "MODELS to measure (default: all)")
+  parser.add_argument("--overheads", default="all",
+                      choices=("all", "swin", "lm", "none"),
+                      help="which overhead groups to measure")
   parser.add_argument("--json-out", default=None,
                       help="also write the figures there, after each model")
   args = parser.parse_args(argv)
@@ -274,13 +285,20 @@ def main(argv=None) -> dict:
   repeats = 3 if args.quick else max(3, args.repeats)
   print(f"machine: {machine()}", flush=True)
   skipped: dict[str, str] = {}
+  wanted = args.models.split(",") if args.models else None
+  unknown = set(wanted or ()) - set(am.MODELS)
+  if unknown:
+    parser.error(f"unknown models {sorted(unknown)}; one of {list(am.MODELS)}")
   models, ratios = model_figures(
       args.quick, steps, repeats, deadline, skipped,
       lambda models: save({"partial": True, "models": models,
-                           "device_kind": jax.devices()[0].device_kind}))
+                           "device_kind": jax.devices()[0].device_kind}),
+      wanted)
   host = host_pipeline(args.quick, models, skipped)
   overheads = {}
-  if time.perf_counter() > deadline:
+  if args.overheads not in ("all", "swin"):
+    skipped["overheads"] = "--overheads"
+  elif time.perf_counter() > deadline:
     skipped["overheads"] = "time budget"
   else:
     model = am.QUICK_MODELS[0] if args.quick else "swin_moe_s_top2"
@@ -292,6 +310,8 @@ def main(argv=None) -> dict:
       skipped["overheads"] = f"{type(e).__name__}: {str(e)[:300]}"
   if args.quick:
     skipped["overheads_switch_medium"] = "--quick (full runs only)"
+  elif args.overheads not in ("all", "lm"):
+    skipped["overheads_switch_medium"] = "--overheads"
   elif time.perf_counter() > deadline:
     skipped["overheads_switch_medium"] = "time budget"
   else:
