@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from vmoe_ext.data.preprocessing import resize_weights
+from vmoe_ext.models.stack import unscan_tree
 from vmoe_ext.sharding.partitioning import Partitioning
 
 Array = jax.Array
@@ -69,9 +70,10 @@ class ForwardOutput(NamedTuple):
 def moe_intermediates(sown: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
   """`{block: {name: value}}` of the MoE layers' sown intermediates
   (`intermediates[block]["Moe"][name][0]`); blocks without an expert mask
-  (dense blocks) are left out."""
+  (dense blocks) are left out. A scanned stack's (`model.scan`) stacked
+  intermediates are split into their blocks first."""
   out = {}
-  for block, values in sown.items():
+  for block, values in unscan_tree(sown).items():
     moe = values.get("Moe", {}) if isinstance(values, Mapping) else {}
     if "expert_mask" in moe:
       out[block] = {name: value[0] for name, value in moe.items()
