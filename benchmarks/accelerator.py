@@ -59,10 +59,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import sys
 import time
-import json
 from typing import Any, Callable, Mapping, Optional
 
 import jax
