@@ -201,3 +201,40 @@ def test_scan_equals_unrolled(moe, remat):
   if "router_state" in new:
     jax.tree.map(close, to_layout(new, want[1][2])["router_state"],
                  want[1][2]["router_state"])
+
+
+def test_a_checkpoint_evaluates_in_the_other_layout(tmp_path):
+  """A run's checkpoint written with `model.scan` True (stacked blocks)
+  evaluates in the unrolled model and the other way round: the restored
+  variables are `to_layout` of the saved ones, the accuracy and loss the
+  saving model's; `model.remat` may differ too. A genuinely different model
+  still names its field."""
+  from vmoe_ext.app.context import RunContext  # pylint: disable=import-outside-toplevel
+  from vmoe_ext.train.config_files import load_config  # pylint: disable=import-outside-toplevel
+
+  def config(scan, remat="none", layers=4):
+    c = load_config("tiny")
+    c.model.num_layers, c.model.scan, c.model.remat = layers, scan, remat
+    c.robustness = None
+    return c
+
+  for saved_scan in (True, False):
+    workdir = str(tmp_path / f"scan_{saved_scan}")
+    saver = RunContext.assemble(config(saved_scan))
+    saver.open_training(workdir)
+    saver.save()
+    saver.checkpoints.close()
+    saved = jax.device_get(saver.state.variables())
+    reader = RunContext.assemble(config(not saved_scan, remat="full"))
+    reader.open_evaluation(workdir)
+    got = jax.device_get(reader.state.variables())
+    want = to_layout(saved, got)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_array_equal(a, b)
+    ours, theirs = saver.evaluate(), reader.evaluate()
+    assert ours["accuracy"] == theirs["accuracy"]
+    np.testing.assert_allclose(ours["loss"], theirs["loss"], rtol=1e-5)
+  with pytest.raises(ConfigError) as error:
+    RunContext.assemble(config(False, layers=6)).open_evaluation(workdir)
+  assert error.value.field == "model.num_layers"

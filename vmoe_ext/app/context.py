@@ -34,9 +34,10 @@ import numpy as np
 
 from vmoe_ext.app.schema import resolve_config
 from vmoe_ext.data.source import DataSource
-from vmoe_ext.errors import field_scope, require
+from vmoe_ext.errors import ConfigError, field_scope, require
 from vmoe_ext.evaluate.final import final_evaluations
 from vmoe_ext.models import LANGUAGE_MODEL, build_model
+from vmoe_ext.models.stack import to_layout
 from vmoe_ext.registry import resolve
 from vmoe_ext.reporting.progress import info_line
 from vmoe_ext.reporting.writers import MetricWriter
@@ -294,26 +295,49 @@ class RunContext:
                            ) -> tuple[dict[str, Any], int]:
     """`({"params", "collections"}, step)` of the training workdir
     `source`'s newest checkpoint (or of `step`), no optimizer, for the run's
-    model traced on `inputs` (its abstract inputs); errors name `field`."""
-    variables = dict(abstract_variables(self.model, jax.random.key(0),
-                                        *inputs))
-    params = variables.pop("params")
-    variables.pop("intermediates", None)
-    manager = CheckpointManager(
-        os.path.join(source, "checkpoints"), save_every=0,
-        keep=self.config.train.keep_checkpoints,
-        config_fingerprint=config_fingerprint(self.config, params),
-        purpose="evaluate")
+    model traced on `inputs` (its abstract inputs); errors name `field`.
+
+    A checkpoint of the other block layout (`model.scan` flipped: stacked
+    or per-block parameters) is read in its own layout and converted
+    (`stack.to_layout`, exact)."""
+    like = dict(abstract_variables(self.model, jax.random.key(0), *inputs))
+    like.pop("intermediates", None)
     try:
-      restored = manager.restore_variables({"params": params,
-                                            "collections": variables}, step)
-    finally:
-      manager.close()
+      restored = _read_checkpoint(self.config, like, source, step)
+    except ConfigError as error:
+      other = self._other_layout()
+      if other is None:
+        raise
+      config, model = other
+      try:
+        saved = dict(abstract_variables(model, jax.random.key(0), *inputs))
+        saved.pop("intermediates", None)
+        restored = _read_checkpoint(config, saved, source, step)
+      except ConfigError:
+        raise error from None
+      if restored is not None:
+        entries, at = restored
+        variables = to_layout({"params": entries["params"],
+                               **entries["collections"]}, like)
+        params = variables.pop("params")
+        restored = {"params": params, "collections": variables}, at
     which = "checkpoint" if step is None else f"checkpoint of step {step}"
     require(restored is not None, field,
             f"no {which} of this config could be restored from "
-            f"{manager.directory!r}")
+            f"{os.path.join(source, 'checkpoints')!r}")
     return restored
+
+  def _other_layout(self) -> Optional[tuple[Any, nn.Module]]:
+    """The config and model with `model.scan` flipped, or None where the
+    model has no such choice."""
+    if not isinstance(getattr(self.model, "scan", None), bool):
+      return None
+    config = ResolvedConfig(self.config.to_dict())
+    config.model.scan = not self.model.scan
+    try:
+      return config, self.model.clone(scan=config.model.scan)
+    except ConfigError:  # That model cannot be scanned.
+      return None
 
   def global_batch(self, batch: dict, local: bool) -> dict:
     """The global batch from a process's rows (`local`: the streaming
@@ -343,6 +367,25 @@ class RunContext:
     return evaluate(self._eval_steps[id(model)], state,
                     (self.global_batch(b, local=self.data.local_eval)
                      for b in self.eval_batches()))
+
+
+def _read_checkpoint(config: Any, like: dict[str, Any], source: str,
+                     step: Optional[int]
+                     ) -> Optional[tuple[dict[str, Any], int]]:
+  """`CheckpointManager.restore_variables` of `source`'s checkpoints for
+  the abstract variables `like` of `config`'s model (fingerprint checked)."""
+  params = like["params"]
+  collections = {k: v for k, v in like.items() if k != "params"}
+  manager = CheckpointManager(
+      os.path.join(source, "checkpoints"), save_every=0,
+      keep=config.train.keep_checkpoints,
+      config_fingerprint=config_fingerprint(config, params),
+      purpose="evaluate")
+  try:
+    return manager.restore_variables({"params": params,
+                                      "collections": collections}, step)
+  finally:
+    manager.close()
 
 
 __all__ = ["RUN_FAMILIES", "ResolvedConfig", "RunContext", "resolved"]

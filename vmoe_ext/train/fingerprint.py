@@ -8,8 +8,8 @@ and the optimizer name. `check_fingerprint` compares a stored fingerprint
 (filled again, so checkpoints saved before filling existed still match) with
 the current one and raises a `ConfigError` worded for resuming ("workdir":
 the differing keys) or for evaluating (the first differing field by its full
-path, with the flag that would fix it; `model.dtype` and `model.param_dtype`
-may differ there).
+path, with the flag that would fix it; `model.dtype`, `model.param_dtype`,
+`model.remat` and `model.attention` may differ there).
 """
 
 from __future__ import annotations
@@ -98,8 +98,11 @@ def config_fingerprint(config: ml_collections.ConfigDict,
 
 
 _MISSING = object()
-# `model.dtype`, `model.param_dtype`: not compared when evaluating.
-_PRECISION_KEYS = tuple(("model", k) for k in PRECISION_FIELDS)
+# Not compared when evaluating: the precision fields (parameters are cast on
+# restore) and the fields that change how the same parameters are computed,
+# not what they are (`model.remat`, `model.attention`).
+_EVALUATION_FREE = tuple(("model", k) for k in (*PRECISION_FIELDS, "remat",
+                                                  "attention"))
 
 
 def _differences(stored: Any, current: Any, key: tuple = ()
@@ -179,9 +182,10 @@ def _evaluation_mismatch(step: int, directory: str,
   """Raises ConfigError naming the first differing config field (the
   optimizer is not needed for evaluation and not compared, nor are the
   model's precision fields: a checkpoint trained in one precision evaluates
-  in the other, its parameters cast on restore)."""
+  in the other, its parameters cast on restore; nor `model.remat` and
+  `model.attention`, which compute the same parameters otherwise)."""
   diffs = [d for d in diffs if d[0][0] != "optimizer"
-           and d[0] not in _PRECISION_KEYS]
+           and d[0] not in _EVALUATION_FREE]
   if not diffs:
     return
   where = f"the checkpoint in {directory} (step {step})"
