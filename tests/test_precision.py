@@ -252,7 +252,8 @@ def test_language_model_in_bfloat16():
   tokens = jax.random.randint(jax.random.key(0), (2, 4), 0, 11)
   cache = model.zero_cache(2)
   variables = model.init(jax.random.key(1), tokens, cache)
-  half_variables = half.init(jax.random.key(1), tokens, cache)
+  half_variables = jax.eval_shape(half.init, jax.random.key(1), tokens,
+                                  cache)
   assert {x.dtype for x in jax.tree.leaves(half_variables["params"])} == {
       jnp.dtype("bfloat16")}
   # The float32 weights, rounded: both precisions read the same values.
