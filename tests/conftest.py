@@ -49,7 +49,8 @@ LONGEST_FIRST = ("test_sharding.py", "test_momentum_config.py",
                  "test_multiprocess.py", "test_reliability.py",
                  "test_carving.py", "test_train_loop.py", "test_symphony.py",
                  "test_streaming_eval.py", "test_vmoe_import.py",
-                 "test_forward.py", "test_models.py")
+                 "test_forward.py", "test_models.py", "test_precision.py",
+                 "test_lm_training.py", "test_stack.py")
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -206,9 +206,9 @@ def test_scan_equals_unrolled(moe, remat):
 def test_a_checkpoint_evaluates_in_the_other_layout(tmp_path):
   """A run's checkpoint written with `model.scan` True (stacked blocks)
   evaluates in the unrolled model and the other way round: the restored
-  variables are `to_layout` of the saved ones, the accuracy and loss the
-  saving model's; `model.remat` may differ too. A genuinely different model
-  still names its field."""
+  variables are exactly `to_layout` of the saved ones (that the two layouts
+  then compute the same is `test_scan_equals_unrolled`); `model.remat` may
+  differ too. A genuinely different model still names its field."""
   from vmoe_ext.app.context import RunContext  # pylint: disable=import-outside-toplevel
   from vmoe_ext.train.config_files import load_config  # pylint: disable=import-outside-toplevel
 
@@ -232,9 +232,7 @@ def test_a_checkpoint_evaluates_in_the_other_layout(tmp_path):
     assert jax.tree.structure(got) == jax.tree.structure(want)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
       np.testing.assert_array_equal(a, b)
-    ours, theirs = saver.evaluate(), reader.evaluate()
-    assert ours["accuracy"] == theirs["accuracy"]
-    np.testing.assert_allclose(ours["loss"], theirs["loss"], rtol=1e-5)
+    assert int(reader.state.step) == 0
   with pytest.raises(ConfigError) as error:
     RunContext.assemble(config(False, layers=6)).open_evaluation(workdir)
   assert error.value.field == "model.num_layers"
