@@ -41,11 +41,11 @@ from vmoe_ext.models.lm_config import (LM_AC_ROUTER, LM_MOE_DEFAULTS,
                                        layer_moe, lm_moe_config,
                                        resolve_ac_router, resolve_stream)
 from vmoe_ext.models.lm_init import authors_initialization
-from vmoe_ext.models.precision import (PRECISION_FIELDS, cast_params,
-                                       float32_state, resolve_dtype)
+from vmoe_ext.models.precision import (cast_params, float32_state,
+                                       resolve_precision_fields)
 from vmoe_ext.models.seq_attention import (SeqAttention, next_cache,
                                            torch_bias_init, torch_linear_init)
-from vmoe_ext.models.stack import block_builder, check_remat
+from vmoe_ext.models.stack import block_builder, check_remat, refuse_scan
 from vmoe_ext.models.sublayer import (DEFAULT_STREAM, MlpBlock,
                                       build_moe_layer, check_moe_placement,
                                       mlp_sublayer)
@@ -190,13 +190,9 @@ class LanguageModel(nn.Module):
   scan: bool = False
 
   def __post_init__(self):
-    for field in PRECISION_FIELDS:  # Names ("bfloat16") -> dtypes.
-      object.__setattr__(self, field,
-                         resolve_dtype(getattr(self, field), field))
+    resolve_precision_fields(self)  # Names ("bfloat16") -> dtypes.
     check_remat(self.remat)
-    require(self.scan is False, "scan",
-            "a scan over blocks is implemented for the ViT / V-MoE / SoftMoE "
-            "encoder only, not for the language model's layers; set scan=False")
+    refuse_scan(self.scan, "the language model's layers")
     require(self.attention == "plain", "attention",
             f"the language model's cached attention has only the 'plain' "
             f"form (its key position term depends on the query, so no fused "

@@ -69,6 +69,14 @@ def resolve_dtype(value: Any, field: str) -> Any:
   return value
 
 
+def resolve_precision_fields(module: Any) -> None:
+  """Sets a backbone's `dtype` and `param_dtype` (frozen dataclass fields,
+  in its `__post_init__`) from their names ("bfloat16") to dtypes."""
+  for field in PRECISION_FIELDS:
+    object.__setattr__(module, field,
+                       resolve_dtype(getattr(module, field), field))
+
+
 def cast_params(variables: Mapping[str, Any], param_dtype: Any
                 ) -> Mapping[str, Any]:
   """`variables` with the floating leaves of "params" in `param_dtype`.
@@ -94,4 +102,5 @@ def keep_dtypes(tree: Any, like: Any) -> Any:
 
 
 __all__ = ["DTYPES", "PRECISION_FIELDS", "at_least_float32", "cast_params",
-           "float32_state", "keep_dtypes", "resolve_dtype"]
+           "float32_state", "keep_dtypes", "resolve_dtype",
+           "resolve_precision_fields"]

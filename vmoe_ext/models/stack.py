@@ -163,6 +163,14 @@ def scan_name(start: int, period: int, count: int) -> str:
   return f"scan_{start}_{period}x{count}"
 
 
+def refuse_scan(scan: Any, blocks: str) -> None:
+  """Raises ConfigError on `scan` unless False: a backbone whose `blocks`
+  (e.g. "Swin stages") have no scanned form."""
+  require(scan is False, "scan",
+          f"a scan over blocks is implemented for the ViT / V-MoE / SoftMoE "
+          f"encoder only, not for {blocks}; set scan=False")
+
+
 def check_scan(scan: Any, router: Optional[nn.Module], stream: nn.Module,
                field: str = "scan") -> None:
   """Raises ConfigError on `field` unless `scan` is a bool and, when True,
@@ -324,5 +332,6 @@ def to_layout(variables: Mapping[str, Any], like: Mapping[str, Any]
 
 __all__ = ["REMAT_CHOICES", "REMAT_POLICIES", "Segment", "ScanPeriod",
            "apply_stack", "block_builder", "check_remat", "check_scan",
+           "refuse_scan",
            "is_scanned", "plan_segments", "scan_name", "scan_tree",
            "to_layout", "unscan_tree"]

@@ -29,10 +29,10 @@ import numpy as np
 from vmoe_ext.errors import require
 from vmoe_ext.models.attention import check_attention
 from vmoe_ext.models.heads import classifier_head
-from vmoe_ext.models.precision import (PRECISION_FIELDS, at_least_float32,
-                                       cast_params, float32_state,
-                                       resolve_dtype)
-from vmoe_ext.models.stack import block_builder, check_remat
+from vmoe_ext.models.precision import (at_least_float32, cast_params,
+                                       float32_state,
+                                       resolve_precision_fields)
+from vmoe_ext.models.stack import block_builder, check_remat, refuse_scan
 from vmoe_ext.models.sublayer import (DEFAULT_STREAM, check_moe_placement,
                                       check_stream_placement, mlp_sublayer,
                                       moe_config)
@@ -223,13 +223,9 @@ class SwinTransformerMoe(nn.Module):
   scan: bool = False
 
   def __post_init__(self):
-    for field in PRECISION_FIELDS:  # Names ("bfloat16") -> dtypes.
-      object.__setattr__(self, field,
-                         resolve_dtype(getattr(self, field), field))
+    resolve_precision_fields(self)  # Names ("bfloat16") -> dtypes.
     check_remat(self.remat)
-    require(self.scan is False, "scan",
-            "a scan over blocks is implemented for the ViT / V-MoE / SoftMoE "
-            "encoder only, not for Swin stages; set scan=False")
+    refuse_scan(self.scan, "Swin stages")
     require(isinstance(self.num_classes, int) and self.num_classes > 0,
             "num_classes", f"must be positive, got {self.num_classes!r}")
     patch = tuple(self.patch_size) if isinstance(

@@ -21,9 +21,9 @@ from vmoe_ext.models.attention import check_attention, flax_attention_fn
 from vmoe_ext.models.heads import (ATTENTION_KERNEL_INITS, CLASSIFIERS,
                                    classifier_head, has_class_token)
 from vmoe_ext.models.placement import resolve_moe_layers
-from vmoe_ext.models.precision import (PRECISION_FIELDS, at_least_float32,
-                                       cast_params,
-                                       float32_state, resolve_dtype)
+from vmoe_ext.models.precision import (at_least_float32, cast_params,
+                                       float32_state,
+                                       resolve_precision_fields)
 from vmoe_ext.models.position import (add_fixed_position_emb,
                                       check_position_emb)
 from vmoe_ext.models.stack import (Segment, apply_stack, block_builder,
@@ -183,9 +183,7 @@ class VisionTransformerMoe(nn.Module):
   scan: bool = False
 
   def __post_init__(self):
-    for field in PRECISION_FIELDS:  # Names ("bfloat16") -> dtypes.
-      object.__setattr__(self, field,
-                         resolve_dtype(getattr(self, field), field))
+    resolve_precision_fields(self)  # Names ("bfloat16") -> dtypes.
     require(self.num_classes > 0, "num_classes",
             f"must be positive, got {self.num_classes}")
     require(self.classifier in CLASSIFIERS, "classifier",
