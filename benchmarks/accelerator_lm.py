@@ -49,6 +49,7 @@ def compile_lm_steps(configs: Mapping[str, dict], batch: Mapping[str, Any],
                      ) -> tuple[dict, dict, dict]:
   """(compiled, states, XLA FLOPs) of each config's LM train step, as
   `common.compile_train_steps` for images."""
+  from common import compile_donated
   from vmoe_ext.models import build_model
   from vmoe_ext.train.lm_steps import LMTrainState, make_lm_train_step
   from vmoe_ext.train.optimizer import make_learning_rate, make_optimizer
@@ -63,12 +64,8 @@ def compile_lm_steps(configs: Mapping[str, dict], batch: Mapping[str, Any],
     cache = model.zero_cache(rows)
     variables = jax.jit(model.init)(init_key, batch["inputs"], cache)
     states[name] = LMTrainState.create_lm(variables, tx, state_key, cache)
-    compiled[name] = jax.jit(make_lm_train_step(model, learning_rate_fn=lr),
-                             donate_argnums=0).lower(states[name],
-                                                     batch).compile()
-    cost = compiled[name].cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    flops[name] = float(cost.get("flops", float("nan")))
+    compiled[name], flops[name] = compile_donated(
+        make_lm_train_step(model, learning_rate_fn=lr), states[name], batch)
   return compiled, states, flops
 
 

@@ -126,13 +126,18 @@ def compile_train_steps(model_configs: Mapping[str, Mapping[str, Any]],
     init_key, state_key = jax.random.split(jax.random.key(0))
     variables = jax.jit(model.init)(init_key, batch["image"])
     states[name] = TrainState.create(variables, tx, state_key)
-    compiled[name] = jax.jit(make_train_step(model, learning_rate_fn=lr),
-                             donate_argnums=0).lower(states[name],
-                                                     batch).compile()
-    cost = compiled[name].cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    flops[name] = float(cost.get("flops", float("nan")))
+    compiled[name], flops[name] = compile_donated(
+        make_train_step(model, learning_rate_fn=lr), states[name], batch)
   return compiled, states, flops
+
+
+def compile_donated(step: Any, state: Any, batch: Any) -> tuple[Any, float]:
+  """`step(state, batch)` jitted with the state donated, compiled ahead of
+  time, and its XLA FLOPs (cost analysis of that executable)."""
+  compiled = jax.jit(step, donate_argnums=0).lower(state, batch).compile()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  return compiled, float(cost.get("flops", float("nan")))
 
 
 def time_train_steps(compiled: dict[str, Any], states: dict[str, Any],
