@@ -50,7 +50,8 @@ def _logits_and_grads(config, images, params=None):
   model = build_model(config)
   images = jnp.asarray(images, jnp.float32)
   if params is None:
-    params = _randomize(model.init(jax.random.key(0), images)["params"])
+    params = _randomize(jax.jit(model.init)(jax.random.key(0),
+                                            images)["params"])
   weights = jnp.asarray(np.random.RandomState(3).normal(
       size=(images.shape[0], config["num_classes"])), jnp.float32)
 

@@ -382,18 +382,20 @@ def test_every_stream_trains_under_jit_with_the_true_gradient(run):
 
 # Resume: the streams keep no state of their own outside their parameters
 # (no collection, no RNG; the in-forward state p is rebuilt every forward),
-# and every parameter is checkpointed and restored by one mechanism. The
-# checkpoint content a stream adds is one of: learnable scalars and the
-# vmoe_reference post-LayerNorm (`momentum`, learn="both"), a per-token
-# linear step in the paper layout (`momentum_gamma_linear`, whose paper
-# layout also has no LayerNorm_2), or nothing beyond LayerNorm_2 (every
+# and every parameter is checkpointed and restored by one mechanism (the
+# train loop's resume tests). The checkpoint content a stream adds is one
+# of: learnable scalars (`momentum`, learn="both": `mu_raw`, `gamma_raw`,
+# parameters like any other, whose gradients are
+# test_learnable_coefficients_receive_gradients), a per-token linear step
+# in the paper layout (`momentum_gamma_linear`, whose paper layout also has
+# no LayerNorm_2), or nothing beyond the vmoe_reference LayerNorm_2 (every
 # other stream: adam, rmsprop, robust_momentum, nag, time_varying, sam,
-# complex_momentum; the LayerNorm_2 case is the first run's). The third run
-# covers the SoftMoE backbone with a first-layer-then-heavy-ball stream
-# (adam, form="code"). That every other stream trains under jit with the
-# true gradient is the test above; its forward is checked against a NumPy
-# recurrence in test_momentum_streams.py.
-RESUME_RUNS = ("momentum", "momentum_gamma_linear", "adam_code_soft")
+# complex_momentum). The two runs cover the paper layout's own parameter
+# and, on the SoftMoE backbone, a first-layer-then-heavy-ball stream (adam,
+# form="code") with LayerNorm_2. That every other stream trains under jit
+# with the true gradient is the test above; its forward is checked against
+# a NumPy recurrence in test_momentum_streams.py.
+RESUME_RUNS = ("momentum_gamma_linear", "adam_code_soft")
 
 
 @pytest.mark.parametrize("run", RESUME_RUNS)
@@ -417,7 +419,6 @@ def test_stream_state_trains_and_resumes_bit_identically(run, tmp_path):
   assert final["num_examples"] == 355  # sklearn's digits test split.
   streams = [state.params[f"encoderblock_{i}"].get("Stream", {})
              for i in (0, 1)]
-  own = {"momentum": {"mu_raw", "gamma_raw", "LayerNorm_2"},
-         "momentum_gamma_linear": {"Dense_1"},
+  own = {"momentum_gamma_linear": {"Dense_1"},
          "adam_code_soft": {"LayerNorm_2"}}[run]
   assert all(set(s) == own for s in streams), streams

@@ -1,10 +1,11 @@
 """The notebooks in colab/ (so they cannot rot).
 
-The quickstart runs top to bottom here; the other notebooks are executed in
-CI by `python colab/execute.py` (a Jupyter kernel each, their small budgets),
-so they do not lengthen the suite. Every notebook is checked to be valid
-nbformat 4 with its outputs stripped, and every notebook but the quickstart
-to read the small-budget switch that `colab/execute.py` sets.
+Every notebook, the quickstart too, is executed in CI by `python
+colab/execute.py` (a Jupyter kernel each, their small budgets), so it does
+not lengthen the suite; the quickstart's last cell asserts what it shows
+(checked here to be there). Every notebook is checked to be valid nbformat
+4 with its outputs stripped, and every notebook but the quickstart to read
+the small-budget switch that `colab/execute.py` sets.
 """
 
 from __future__ import annotations
@@ -15,13 +16,8 @@ import json
 import pathlib
 import warnings
 
-import matplotlib
-import matplotlib.pyplot as plt
 import nbformat
-import numpy as np
 import pytest
-
-matplotlib.use("Agg")
 
 COLAB = pathlib.Path(__file__).parent.parent / "colab"
 NOTEBOOKS = sorted(COLAB.glob("*.ipynb"))
@@ -29,29 +25,17 @@ QUICKSTART = [p for p in NOTEBOOKS if p.name == "quickstart.ipynb"]
 SMALL_SWITCH = "VMOE_EXT_NOTEBOOK_SMALL"
 
 
-@pytest.mark.parametrize("path", QUICKSTART, ids=lambda p: p.name)
-def test_notebook_runs(path):
-  cells = json.loads(path.read_text())["cells"]
-  namespace: dict = {}
-  open_before = set(plt.get_fignums())
-  try:
-    for cell in cells:
-      if cell["cell_type"] == "code":
-        exec(compile("".join(cell["source"]), f"{path.name}", "exec"),
-             namespace)
-  finally:  # A notebook shows its figures inline; here nobody closes them.
-    for number in set(plt.get_fignums()) - open_before:
-      plt.close(number)
-  if path.name == "quickstart.ipynb":
-    # The routing it shows is the model's: selections cover B*T tokens x K.
-    for sel in namespace["selected"].values():
-      assert sel.shape == (100, 17, 2)
-      assert np.all((np.asarray(sel) >= 0) & (np.asarray(sel) < 4))
-    # It routes a trained model: 200 steps, well above chance (0.1) on the
-    # 100 test digits.
-    assert int(namespace["state"].step) == 200
-    logits, labels = namespace["logits"], namespace["batch_labels"]
-    assert np.mean(np.argmax(logits, -1) == labels) > 0.6
+def test_the_quickstart_checks_what_it_shows():
+  """Its last code cell asserts the routing's shape, the 200 steps and an
+  accuracy well above chance, so CI's run of it fails when they do not."""
+  cells = json.loads(QUICKSTART[0].read_text())["cells"]
+  last = "".join([c for c in cells if c["cell_type"] == "code"][-1]["source"])
+  asserts = [node for node in ast.walk(ast.parse(last))
+             if isinstance(node, ast.Assert)]
+  checked = " ".join(ast.unparse(node.test) for node in asserts)
+  for expected in ("int(state.step) == 200", "sel.shape == (100, 17, 2)",
+                   "> 0.6"):
+    assert expected in checked, (expected, checked)
 
 
 def test_there_is_a_notebook():

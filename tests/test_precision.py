@@ -251,7 +251,7 @@ def test_language_model_in_bfloat16():
                       "param_dtype": "bfloat16"})
   tokens = jax.random.randint(jax.random.key(0), (2, 4), 0, 11)
   cache = model.zero_cache(2)
-  variables = model.init(jax.random.key(1), tokens, cache)
+  variables = jax.jit(model.init)(jax.random.key(1), tokens, cache)
   half_variables = jax.eval_shape(half.init, jax.random.key(1), tokens,
                                   cache)
   assert {x.dtype for x in jax.tree.leaves(half_variables["params"])} == {
@@ -260,8 +260,8 @@ def test_language_model_in_bfloat16():
   rounded = {**variables, "params": jax.tree.map(
       lambda x: x.astype(jnp.bfloat16).astype(jnp.float32),
       variables["params"])}
-  log_probs, _, metrics = model.apply(rounded, tokens, cache)
-  half_log_probs, _, half_metrics = half.apply(
+  log_probs, _, metrics = jax.jit(model.apply)(rounded, tokens, cache)
+  half_log_probs, _, half_metrics = jax.jit(half.apply)(
       {**variables, "params": jax.tree.map(
           lambda x: x.astype(jnp.bfloat16), variables["params"])},
       tokens, cache)
