@@ -49,8 +49,8 @@ setup(
         "tfds": ["tensorflow-datasets>=4.9.10", "pillow>=10", "grain>=0.2.18"],
         # pytest-xdist: the suite runs its test files in parallel workers
         # (pyproject's addopts), one file per worker so that module fixtures
-        # are built once.
-        "dev": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100",
+        # are built once, in conftest's order (3.6: --no-loadscope-reorder).
+        "dev": ["pytest>=8", "pytest-xdist>=3.6", "hypothesis>=6.100",
                 "tensorflow-datasets>=4.9.10", "pillow>=10", "grain>=0.2.18",
                 # FGSM/PGD oracle of tests/test_attacks.py.
                 "foolbox>=3.3.4",
