@@ -31,7 +31,6 @@ difference, the verdict, and the seconds of each run.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys

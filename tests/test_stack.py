@@ -62,7 +62,7 @@ def jit_as_the_binary(fn):
   return call
 
 
-def train_step(model, variables, *args, jit=False):
+def train_step(model, variables, *args, compile=jax.jit):
   """`(grads, (logits, metrics, new collections))` of a training call."""
   params = variables["params"]
   rest = {k: v for k, v in variables.items() if k != "params"}
@@ -75,7 +75,7 @@ def train_step(model, variables, *args, jit=False):
     return value, (logits, metrics, new)
 
   grad = jax.grad(loss, has_aux=True)
-  return (jit_as_the_binary(grad) if jit else grad)(params)
+  return compile(grad)(params)
 
 
 def assert_equal(got, want):
@@ -91,9 +91,9 @@ def test_vit_remat_is_bit_identical(remat):
   plain = vit(num_layers=2)
   variables = random_variables(plain, IMAGES)
   assert "router_state" in variables
-  want = train_step(plain, variables, IMAGES, jit=True)
+  want = train_step(plain, variables, IMAGES, compile=jit_as_the_binary)
   got = train_step(vit(num_layers=2, remat=remat), variables, IMAGES,
-                   jit=True)
+                   compile=jit_as_the_binary)
   assert_equal(got, want)
   bias = lambda v: v["router_state"]["encoderblock_1"]["Moe"]["router"]
   assert not np.array_equal(bias(got[1][2])["bias"], bias(variables)["bias"])
@@ -107,9 +107,9 @@ def test_swin_and_lm_remat_are_bit_identical():
               moe={"num_experts": 2}, moe_blocks=((1,),))
   plain = SwinTransformerMoe(**swin)
   variables = random_variables(plain, IMAGES)
-  want = train_step(plain, variables, IMAGES, jit=True)
+  want = train_step(plain, variables, IMAGES, compile=jit_as_the_binary)
   got = train_step(SwinTransformerMoe(**swin, remat="full"), variables,
-                   IMAGES, jit=True)
+                   IMAGES, compile=jit_as_the_binary)
   assert_equal(got, want)
 
   lm = dict(vocab_size=7, hidden_size=4, inner_hidden_size=4, num_heads=2,
@@ -183,8 +183,8 @@ def test_scan_equals_unrolled(moe, remat):
   assert jax.tree.structure(back) == jax.tree.structure(variables)
   jax.tree.map(np.testing.assert_array_equal, back, variables)
 
-  want = train_step(unrolled, variables, IMAGES, jit=True)
-  got = train_step(scanned, converted, IMAGES, jit=True)
+  want = train_step(unrolled, variables, IMAGES)
+  got = train_step(scanned, converted, IMAGES)
   grads, (logits, metrics, new) = got
   close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5,
                                                   atol=1e-6)
