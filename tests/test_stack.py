@@ -3,23 +3,28 @@
 Remat: jitted, values, persistent router state, intermediates and
 `jax.grad` equal bit for bit to the same model without remat (ViT with
 CMoE's balancing bias, Swin, the language model), compiled with XLA's
-default CPU emitters as the binary compiles. Scan: the segment plan by
-hand; values, metrics and gradients equal to the unrolled model on the
-same parameters (converted layout), and the conversion exact both ways;
-config errors.
+default CPU emitters as the binary compiles. Scan (ViT and Swin, per
+stage): the segment plan by hand; values, metrics and gradients equal to
+the unrolled model on the same parameters (converted layout), and the
+conversion exact both ways; Swin's per-block drop-path rates inside a
+scan; config errors.
 """
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh
 
 from vmoe_ext.errors import ConfigError
 from vmoe_ext.models.language import LanguageModel
 from vmoe_ext.models.stack import (REMAT_CHOICES, Segment, plan_segments,
-                                   to_layout)
+                                   to_layout, unscan_tree)
 from vmoe_ext.models.swin import SwinTransformerMoe
+from vmoe_ext.models.swin_attention import DropPath, keep_probability
 from vmoe_ext.models.vit import VisionTransformerMoe
+from vmoe_ext.moe.expert_parallel import ExpertParallel
 from vmoe_ext.train.forward import moe_intermediates
 
 IMAGES = jax.random.normal(jax.random.key(0), (2, 8, 8, 3))
@@ -34,6 +39,22 @@ def vit(**fields):
   return VisionTransformerMoe(num_classes=3, patch_size=(4, 4),
                               hidden_size=8, num_heads=2, mlp_dim=8, moe=moe,
                               **fields)
+
+
+SWIN_IMAGES = jax.random.normal(jax.random.key(4), (2, 16, 16, 3))
+SWIN_DROP_PATH = 0.4
+
+
+def swin(depths=(4, 5), **fields):
+  """8 x 8 then 4 x 4 tokens, windows of 2 x 2 (so both stages shift):
+  stage 0 dense (blocks 0-3), stage 1 (4-8) MoE at its blocks 1 and 3."""
+  fields = {"moe": {"num_experts": 4, "router": {"name": "cmoe",
+                                                 "num_selected": 2}},
+            "moe_blocks": ((-1,), (1, 3)), **fields}
+  return SwinTransformerMoe(num_classes=3, patch_size=(2, 2), embed_dim=8,
+                            depths=depths, num_heads=(2, 2), window_size=2,
+                            mlp_ratio=1.0, drop_path_rate=SWIN_DROP_PATH,
+                            **fields)
 
 
 def random_variables(model, *args, seed=0):
@@ -148,8 +169,21 @@ def test_remat_and_scan_config_errors():
     vit(scan=True, stream={"name": "time_varying"})
   with pytest.raises(ConfigError, match="scan"):
     vit(scan="yes")
+  assert SwinTransformerMoe(num_classes=3, scan=True).scan_segments
+  for router in ({"name": "acmoe", "normalization": "swin",
+                  "base": {"name": "swin_moe", "num_selected": 2}},
+                 {"name": "symphony", "base": {"name": "noisy_topk",
+                                               "num_selected": 2}}):
+    with pytest.raises(ConfigError, match="scan") as error:
+      swin(scan=True, moe={"num_experts": 4, "router": router})
+    assert "cross-layer" in str(error.value)
   with pytest.raises(ConfigError, match="scan"):
-    SwinTransformerMoe(num_classes=3, scan=True)
+    swin(scan=True, stream={"name": "time_varying"})
+  with pytest.raises(ConfigError, match="scan"):
+    swin(scan=1)
+  mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "expert"))
+  with pytest.raises(ConfigError, match="expert parallelism"):
+    swin(scan=True, expert_parallel=ExpertParallel(mesh))
   with pytest.raises(ConfigError, match="scan"):
     LanguageModel(vocab_size=7, scan=True)
 
@@ -233,3 +267,123 @@ def test_a_checkpoint_evaluates_in_the_other_layout(tmp_path):
   with pytest.raises(ConfigError) as error:
     RunContext.assemble(config(False, layers=6)).open_evaluation(workdir)
   assert error.value.field == "model.num_layers"
+
+
+def test_swin_scan_plan_by_hand():
+  """Per stage, over (shifted, MoE): a dense stage scans periods of 2
+  (shifted and not), MoE every other block too; a block left over and
+  stages too short to repeat stay unrolled; names are global."""
+  model = swin(scan=True)
+  assert model.scan_segments == (
+      (Segment(0, 2, 2),), (Segment(4, 2, 2), Segment(8, 1, 1)))
+  shapes = jax.eval_shape(lambda: model.init(RNGS, SWIN_IMAGES))["params"]
+  blocks = sorted(k for k in shapes
+                  if k.startswith(("scan_", "encoderblock_")))
+  assert blocks == ["encoderblock_8", "scan_0_2x2", "scan_4_2x2"]
+  # Swin-MoE-S's layout: 18 blocks of stage 2 with MoE every other one.
+  big = SwinTransformerMoe(
+      num_classes=3, depths=(2, 2, 18, 2), num_heads=(3, 6, 12, 24),
+      moe={"num_experts": 4},
+      moe_blocks=((-1,), (-1,), tuple(range(1, 18, 2)), (1,)), scan=True)
+  unrolled = lambda *blocks: tuple(Segment(b, 1, 1) for b in blocks)
+  assert big.scan_segments == (unrolled(0, 1), unrolled(2, 3),
+                               (Segment(4, 2, 9),), unrolled(22, 23))
+  dense = SwinTransformerMoe(num_classes=3, depths=(3, 8),
+                             num_heads=(3, 6), scan=True)
+  assert dense.scan_segments == (unrolled(0, 1, 2), (Segment(3, 2, 4),))
+  assert swin().scan_segments is None
+
+
+def test_swin_unscan_gives_the_unrolled_tree():
+  """Every collection of the scanned Swin, unscanned: exactly the unrolled
+  model's names, shapes and dtypes."""
+  scanned = random_variables(swin(scan=True), SWIN_IMAGES)
+  want = jax.eval_shape(lambda: swin().init(RNGS, SWIN_IMAGES))
+  assert sorted(scanned) == sorted(want)
+  spec = lambda a: (a.shape, a.dtype)
+  for name, tree in scanned.items():
+    assert (jax.tree.map(spec, unscan_tree(tree))
+            == jax.tree.map(spec, dict(want[name]))), name
+
+
+def test_swin_scan_equals_unrolled():
+  """Swin-MoE scanned per stage (with remat) on the unrolled model's
+  parameters (`to_layout`): logits, metrics, router state, intermediates
+  and gradients as the unrolled model's; the conversion exact both ways.
+  Stage 0's two blocks stay unrolled, stage 1 is 2 x (regular dense,
+  shifted MoE) (the plan of more stages: `test_swin_scan_plan_by_hand`)."""
+  unrolled = swin(depths=(2, 4))
+  scanned = swin(depths=(2, 4), scan=True, remat="full")
+  assert scanned.scan_segments == ((Segment(0, 1, 1), Segment(1, 1, 1)),
+                                   (Segment(2, 2, 2),))
+  variables = random_variables(unrolled, SWIN_IMAGES)
+  like = jax.eval_shape(lambda: scanned.init(RNGS, SWIN_IMAGES))
+  converted = to_layout(variables, like)
+  assert (jax.tree.map(jnp.shape, converted)
+          == jax.tree.map(lambda s: s.shape, dict(like)))
+  assert_equal(to_layout(converted, variables), variables)
+
+  want = train_step(unrolled, variables, SWIN_IMAGES)
+  grads, (logits, metrics, new) = train_step(scanned, converted,
+                                             SWIN_IMAGES)
+  close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5,
+                                                  atol=1e-6)
+  close(logits, want[1][0])
+  assert sorted(metrics) == ["auxiliary_loss", "layer_3", "layer_5"]
+  assert sorted(metrics) == sorted(want[1][1])
+  jax.tree.map(close, metrics, want[1][1])
+  jax.tree.map(close, to_layout({"params": grads}, variables)["params"],
+               want[0])
+  jax.tree.map(close, moe_intermediates(new["intermediates"]),
+               moe_intermediates(want[1][2]["intermediates"]))
+  jax.tree.map(close, to_layout(new, want[1][2])["router_state"],
+               want[1][2]["router_state"])
+
+
+def test_swin_scan_drop_path_uses_each_blocks_rate():
+  """Training mode (`deterministic=False`): every DropPath call of the
+  scanned Swin, step by step, draws with its own block's keep probability
+  `1 - 0.4 * b / 8` (block 0: 1, untouched); and a traced keep drops and
+  scales as the Python rate does, bit for bit."""
+  model = swin(scan=True, remat="full")
+  variables = random_variables(model, SWIN_IMAGES)
+  seen: dict = {}
+
+  def record(next_fun, args, kwargs, context):
+    if isinstance(context.module, DropPath):
+      path = "/".join(context.module.scope.path)
+      if kwargs.get("keep") is None:  # Unrolled: the block's own rate.
+        seen.setdefault(path, []).append(1.0 - context.module.rate)
+      else:
+        jax.debug.callback(
+            lambda k, path=path: seen.setdefault(path, []).append(float(k)),
+            kwargs["keep"], ordered=True)
+    return next_fun(*args, **kwargs)
+
+  with nn.intercept_methods(record):
+    logits, _ = jax.jit(lambda v: model.apply(
+        v, SWIN_IMAGES, deterministic=False,
+        rngs={"dropout": jax.random.key(5), "gating": jax.random.key(6)}))(
+            variables)
+  jax.effects_barrier()
+  assert np.all(np.isfinite(logits))
+  keep = lambda b: [1.0 - SWIN_DROP_PATH * b / 8] * 2  # Attention, MLP.
+  want = {"scan_0_2x2/period_0/DropPath": keep(0) + keep(2),
+          "scan_0_2x2/period_1/DropPath": keep(1) + keep(3),
+          "scan_4_2x2/period_0/DropPath": keep(4) + keep(6),
+          "scan_4_2x2/period_1/DropPath": keep(5) + keep(7),
+          "encoderblock_8/DropPath": keep(8)}
+  assert sorted(seen) == sorted(want)
+  for path, values in want.items():
+    np.testing.assert_allclose(seen[path], values, rtol=1e-6, err_msg=path)
+
+  x = jax.random.normal(jax.random.key(7), (64, 3, 2))
+  rngs = {"dropout": jax.random.key(8)}
+  for rate in (0.0, 0.3):
+    static = jax.jit(lambda: DropPath(rate).apply(
+        {}, x, deterministic=False, rngs=rngs))()
+    traced = jax.jit(lambda k: DropPath(0.9).apply(
+        {}, x, deterministic=False, keep=k, rngs=rngs))(
+            keep_probability(rate))
+    np.testing.assert_array_equal(traced, static)
+    assert (rate == 0) == np.array_equal(traced, x)

@@ -1,7 +1,8 @@
 """The stack of encoder blocks: rematerialisation, scan over blocks, and the
 checkpoint layout of a scanned stack.
 
-Shared by every backbone (`vmoe_ext.models.vit`, `.swin`, `.language`):
+Shared by every backbone (`vmoe_ext.models.vit`, `.swin`, `.language`);
+shape letters: B batch, T tokens, D width, n steps of a scanned run.
 
 * `model.remat` ("none" | "full" | a policy of `REMAT_POLICIES`): each block
   is wrapped in `nn.remat` (`jax.checkpoint`), so its activations are
@@ -13,7 +14,10 @@ Shared by every backbone (`vmoe_ext.models.vit`, `.swin`, `.language`):
   per block (compile time stops growing with depth). Where the MoE placement
   alternates (V-MoE Every-2: dense, MoE, dense, MoE, ...) a scan step is one
   period of the pattern; blocks that fit no repeated period are applied one
-  by one (`plan_segments`, `apply_stack`).
+  by one (`plan_segments`, `apply_stack`). A Swin plans each stage on its
+  own (kinds: shifted or not, MoE or not); what differs per block inside a
+  run (Swin's drop-path rate) enters as per-step scan inputs
+  (`apply_stack(step_inputs=...)`).
 
 A scanned run of `n` periods of `p` blocks starting at block `s` is one
 module named `scan_name(s, p, n)` (`"scan_{s}_{p}x{n}"`), whose sub-modules
@@ -37,6 +41,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from vmoe_ext.errors import require
 from vmoe_ext.moe.contract import RoutingContext
@@ -129,16 +134,19 @@ class Segment:
     return self.count > 1
 
 
-def plan_segments(kinds: Sequence[Any], max_period: int = 4
+def plan_segments(kinds: Sequence[Any], max_period: int = 4, start: int = 0
                   ) -> tuple[Segment, ...]:
-  """Splits blocks of the given kinds (e.g. `is_moe` per block) into scanned
-  runs and unrolled blocks.
+  """Splits blocks `start, start + 1, ...` of the given kinds (e.g. `is_moe`
+  per block, `kinds[0]` being block `start`'s) into scanned runs and
+  unrolled blocks.
 
   From the first block not yet placed, the shortest period `p <= max_period`
   whose pattern repeats at least twice is scanned as long as it repeats;
   a block that starts no repetition is unrolled. V-MoE Every-2 on 12 blocks:
   one run of 6 periods `(dense, MoE)`; Last-2 (MoE at 9 and 11): blocks 0-8
-  scanned (period 1), 9, 10, 11 unrolled.
+  scanned (period 1), 9, 10, 11 unrolled. `start` numbers the blocks of a
+  later stack (a Swin stage) globally, so their names are the unrolled
+  model's.
   """
   kinds = list(kinds)
   n, i, out = len(kinds), 0, []
@@ -155,7 +163,8 @@ def plan_segments(kinds: Sequence[Any], max_period: int = 4
         break
     out.append(best or Segment(i, 1, 1))
     i = out[-1].stop
-  return tuple(out)
+  return tuple(Segment(seg.start + start, seg.period, seg.count)
+               for seg in out)
 
 
 def scan_name(start: int, period: int, count: int) -> str:
@@ -165,20 +174,25 @@ def scan_name(start: int, period: int, count: int) -> str:
 
 def refuse_scan(scan: Any, blocks: str) -> None:
   """Raises ConfigError on `scan` unless False: a backbone whose `blocks`
-  (e.g. "Swin stages") have no scanned form."""
+  (e.g. "the language model's layers") have no scanned form."""
   require(scan is False, "scan",
           f"a scan over blocks is implemented for the ViT / V-MoE / SoftMoE "
-          f"encoder only, not for {blocks}; set scan=False")
+          f"encoder and the Swin / Swin-MoE stages only, not for {blocks}; "
+          f"set scan=False")
 
 
 def check_scan(scan: Any, router: Optional[nn.Module], stream: nn.Module,
-               field: str = "scan") -> None:
+               field: str = "scan", expert_parallel: Any = None) -> None:
   """Raises ConfigError on `field` unless `scan` is a bool and, when True,
-  the built `router` (None: dense model) and `stream` are scan-safe."""
+  the built `router` (None: dense model) and `stream` are scan-safe and
+  there is no `expert_parallel` layout."""
   require(isinstance(scan, bool), field, f"must be True or False, got "
           f"{scan!r}")
   if not scan:
     return
+  require(expert_parallel is None, field, "a scan over blocks does not run "
+          "with expert parallelism (its stacked expert weights would need "
+          "their own sharding); set scan=False")
   for what, module in (("router", router), ("stream", stream)):
     if module is None:
       continue
@@ -194,6 +208,10 @@ class ScanPeriod(nn.Module):
   to the carry `(x, stream_state)`; returns the new carry and the blocks'
   metrics (a tuple over the period, None for dense blocks).
 
+  `xs`, the step's scan inputs: None, or a tuple over the period of each
+  block's inputs (this step's slice of `step_inputs`), passed to block `j`
+  as its third positional argument.
+
   The routing context of each block starts with no records (scan-safe
   routers and streams read none) and `block` set to the run's first step.
   """
@@ -205,34 +223,56 @@ class ScanPeriod(nn.Module):
   update_state: bool
 
   @nn.compact
-  def __call__(self, carry: tuple[Array, Any], _: Any
+  def __call__(self, carry: tuple[Array, Any], xs: Optional[tuple]
                ) -> tuple[tuple[Array, Any], tuple]:
     x, state = carry
     ctx = self.context.replace(stream_state=state)
     metrics = []
     for j in range(self.period):
       block = self.start + j
+      inputs = () if xs is None else (xs[j],)
       x, ctx, m = self.build(j, block)(
-          x, ctx.at_block(block).replace(records=()),
+          x, ctx.at_block(block).replace(records=()), *inputs,
           deterministic=self.deterministic, update_state=self.update_state)
       metrics.append(m)
     return (x, ctx.stream_state), tuple(metrics)
 
 
+def stack_inputs(step_inputs: Callable[[int], Any], seg: Segment
+                 ) -> tuple:
+  """The scan inputs of a scanned run: per block of the period, its blocks'
+  `step_inputs(block)` stacked on a leading axis `[n, ...]` (host arrays,
+  each value exactly the unrolled block's)."""
+  return tuple(
+      jax.tree.map(lambda *a: np.stack(a),
+                   *(step_inputs(seg.start + i * seg.period + j)
+                     for i in range(seg.count)))
+      for j in range(seg.period))
+
+
 def apply_stack(parent_build: Callable[..., Callable], x: Array,
                 ctx: RoutingContext, num_blocks: int,
                 segments: Optional[tuple[Segment, ...]], *,
-                deterministic: bool, update_state: bool
+                deterministic: bool, update_state: bool, start: int = 0,
+                step_inputs: Optional[Callable[[int], Any]] = None
                 ) -> tuple[Array, RoutingContext, dict[str, Any]]:
-  """Applies blocks `0..num_blocks-1` to `x` `[B, T, D]` in a compact
-  method; `parent_build(block, name)` returns block `block`'s call
-  `(x, ctx, deterministic=, update_state=) -> (x, ctx, metrics)` named
+  """Applies blocks `start .. start + num_blocks - 1` to `x` `[B, T, D]` in
+  a compact method; `parent_build(block, name)` returns block `block`'s
+  call `(x, ctx, deterministic=, update_state=) -> (x, ctx, metrics)` named
   `name`. `segments=None`: every block unrolled (the plain loop).
+
+  `step_inputs(block)`: None, or what differs per block inside a scanned
+  run (a pytree of host scalars or arrays, e.g. Swin's drop-path keep
+  probability): a scanned run takes its blocks' values as scan inputs and
+  calls each block with its step's value as a third positional argument;
+  an unrolled block is called without (its build fixes the value, as a
+  Python constant).
 
   Returns `x`, the context and `{metric_key(block): metrics}` of MoE blocks.
   """
   metrics: dict[str, Any] = {}
-  segments = segments or tuple(Segment(b, 1, 1) for b in range(num_blocks))
+  segments = segments or tuple(Segment(b, 1, 1)
+                               for b in range(start, start + num_blocks))
   for seg in segments:
     if not seg.scanned:
       x, ctx, m = parent_build(seg.start, param_name(seg.start))(
@@ -250,7 +290,8 @@ def apply_stack(parent_build: Callable[..., Callable], x: Array,
         start=seg.start, period=seg.period, context=static,
         deterministic=deterministic, update_state=update_state,
         name=scan_name(seg.start, seg.period, seg.count))(
-            (x, ctx.stream_state), None)
+            (x, ctx.stream_state),
+            None if step_inputs is None else stack_inputs(step_inputs, seg))
     ctx = ctx.replace(stream_state=state)
     for j, m in enumerate(stacked):
       if m is None:
@@ -334,4 +375,4 @@ __all__ = ["REMAT_CHOICES", "REMAT_POLICIES", "Segment", "ScanPeriod",
            "apply_stack", "block_builder", "check_remat", "check_scan",
            "refuse_scan",
            "is_scanned", "plan_segments", "scan_name", "scan_tree",
-           "to_layout", "unscan_tree"]
+           "stack_inputs", "to_layout", "unscan_tree"]

@@ -19,7 +19,7 @@ the previous assignment per stage too).
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import flax.linen as nn
 import jax
@@ -32,19 +32,21 @@ from vmoe_ext.models.heads import classifier_head
 from vmoe_ext.models.precision import (at_least_float32, cast_params,
                                        float32_state,
                                        resolve_precision_fields)
-from vmoe_ext.models.stack import block_builder, check_remat, refuse_scan
-from vmoe_ext.models.sublayer import (DEFAULT_STREAM, check_moe_placement,
+from vmoe_ext.models.stack import (Segment, apply_stack, block_builder,
+                                    check_remat, check_scan, plan_segments)
+from vmoe_ext.models.sublayer import (DEFAULT_STREAM, build_moe_layer,
+                                      check_moe_placement,
                                       check_stream_placement, mlp_sublayer,
                                       moe_config)
 from vmoe_ext.models.swin_attention import (POSITION_BIASES, SWIN_INIT,
-                                            DropPath, WindowAttention)
+                                            DropPath, WindowAttention,
+                                            keep_probability)
 from vmoe_ext.models.swin_window import (check_window, cyclic_shift,
                                          shift_attention_mask, stage_window,
                                          window_partition, window_reverse)
 from vmoe_ext.moe.contract import RoutingContext
 from vmoe_ext.moe.expert_parallel import ExpertParallel
 from vmoe_ext.moe.experts import check_activation
-from vmoe_ext.naming import metric_key, param_name
 from vmoe_ext.streams import STREAMS
 
 Array = jax.Array
@@ -59,7 +61,8 @@ class SwinBlock(nn.Module):
     grid: `(h, w)` of the stage.
     window, shift: M and the cyclic shift (0: regular windows), as
       `stage_window` resolved them for this stage.
-    drop_path_rate: this block's stochastic depth rate.
+    drop_path_rate: this block's stochastic depth rate (unless the call
+      gives `keep`).
     mlp_dim: the MLP's (and the experts') hidden width.
     moe: None (dense MLP) or a filled `moe` config.
     The other fields: `SwinTransformerMoe`'s.
@@ -84,10 +87,13 @@ class SwinBlock(nn.Module):
   expert_parallel: Optional[ExpertParallel] = None
 
   @nn.compact
-  def __call__(self, x: Array, ctx: RoutingContext, *,
-               deterministic: bool = True, update_state: bool = False
+  def __call__(self, x: Array, ctx: RoutingContext,
+               keep: Optional[Array] = None, *, deterministic: bool = True,
+               update_state: bool = False
                ) -> tuple[Array, RoutingContext, Optional[dict]]:
-    """x: `[B, h*w, C]` -> `[B, h*w, C]`, the context, MoE metrics."""
+    """x: `[B, h*w, C]` -> `[B, h*w, C]`, the context, MoE metrics.
+    `keep`: None, or the drop-path keep probability as a traced scalar `[]`
+    (a scanned block's scan input), replacing `1 - drop_path_rate`."""
     b, t, c = x.shape
     gh, gw = self.grid
     y = nn.LayerNorm(epsilon=self.layer_norm_epsilon, dtype=self.dtype,
@@ -105,7 +111,8 @@ class SwinBlock(nn.Module):
             deterministic=deterministic)
     y = cyclic_shift(window_reverse(y, self.window, gh, gw), -self.shift)
     drop_path = DropPath(self.drop_path_rate, name="DropPath")
-    x = x + drop_path(y.reshape(b, t, c), deterministic=deterministic)
+    x = x + drop_path(y.reshape(b, t, c), deterministic=deterministic,
+                      keep=keep)
     norm = nn.LayerNorm(epsilon=self.layer_norm_epsilon, dtype=self.dtype,
                         name="LayerNorm_1")
     return mlp_sublayer(
@@ -114,7 +121,8 @@ class SwinBlock(nn.Module):
         activation=self.mlp_activation, dtype=self.dtype,
         expert_parallel=self.expert_parallel, deterministic=deterministic,
         update_state=update_state, mlp_output_bias=self.mlp_fc2_bias,
-        branch=lambda f: drop_path(f, deterministic=deterministic))
+        branch=lambda f: drop_path(f, deterministic=deterministic,
+                                   keep=keep))
 
 
 class PatchMerging(nn.Module):
@@ -186,7 +194,9 @@ class SwinTransformerMoe(nn.Module):
     state_axis_name, expert_parallel, dtype, param_dtype: as
       `VisionTransformerMoe`'s.
     remat: as `VisionTransformerMoe`'s, per Swin block.
-    scan: False only (no scan over Swin stages).
+    scan: as `VisionTransformerMoe`'s, within each stage (`scan_segments`:
+      periods of the (shifted, MoE) pattern, named by global block
+      numbers); the blocks' drop-path rates are per-step scan inputs.
 
   Calling it returns `(logits [B, num_classes], metrics)` as the ViT does
   (`auxiliary_loss`, `layer_i/...` per MoE block i), and the MoE layers sow
@@ -225,7 +235,6 @@ class SwinTransformerMoe(nn.Module):
   def __post_init__(self):
     resolve_precision_fields(self)  # Names ("bfloat16") -> dtypes.
     check_remat(self.remat)
-    refuse_scan(self.scan, "Swin stages")
     require(isinstance(self.num_classes, int) and self.num_classes > 0,
             "num_classes", f"must be positive, got {self.num_classes!r}")
     patch = tuple(self.patch_size) if isinstance(
@@ -293,6 +302,11 @@ class SwinTransformerMoe(nn.Module):
                           self.dropout_rate, self.dtype, self.mlp_activation)
     else:
       check_stream_placement(stream, tuple(() for _ in depths))
+    check_scan(self.scan, moe and build_moe_layer(
+        moe, int(self.embed_dim * self.mlp_ratio), self.dropout_rate,
+        self.dtype, self.mlp_activation, parent=None).router,
+               STREAMS.build(stream, parent=None),
+               expert_parallel=self.expert_parallel)
     super().__post_init__()
 
   def init(self, rngs: Any, *args: Any, **kwargs: Any) -> Any:
@@ -342,6 +356,17 @@ class SwinTransformerMoe(nn.Module):
   def moe_layers(self) -> tuple[int, ...]:
     """The global block indices of all MoE blocks."""
     return tuple(b for blocks in self.moe_stages for b in blocks)
+
+  @property
+  def scan_segments(self) -> Optional[tuple[tuple[Segment, ...], ...]]:
+    """Per stage, its scanned runs and unrolled blocks (None: `scan` off);
+    a block's kind is (shifted: an odd position in the stage, MoE)."""
+    if not self.scan:
+      return None
+    moe = self.moe_layers
+    return tuple(plan_segments(
+        [(i % 2 == 1, self.stage_start(s) + i in moe) for i in range(depth)],
+        start=self.stage_start(s)) for s, depth in enumerate(self.depths))
 
   def stage_grids(self, image_size: tuple[int, int]
                   ) -> tuple[tuple[int, int], ...]:
@@ -410,42 +435,23 @@ class SwinTransformerMoe(nn.Module):
                          (1,) + x.shape[1:]).astype(x.dtype)
     x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
     rates = np.linspace(0.0, self.drop_path_rate, self.num_layers)
-    moe_stages = self.moe_stages
+    segments = self.scan_segments
     metrics: dict[str, Any] = {}
-    for s, (depth, heads, grid) in enumerate(zip(self.depths, self.num_heads,
-                                                 grids)):
+    for s, grid in enumerate(grids):
       if s:
         x = PatchMerging(grids[s - 1], self.layer_norm_epsilon, self.dtype,
                          name=f"merging_{s}")(x)
-      width = c * 2 ** s
-      window, shift = stage_window(*grid, self.window_size,
-                                   self.window_size // 2)
       ctx = RoutingContext(
           stream_state=float32_state(
               STREAMS.build(self.stream, parent=None).init_state(x)),
-          axis_name=self.state_axis_name, moe_blocks=moe_stages[s])
-      for i in range(depth):
-        block = self.stage_start(s) + i
-        x, ctx, layer_metrics = block_builder(SwinBlock, self.remat, 2)(
-            num_heads=heads, grid=grid, window=window,
-            shift=shift if i % 2 else 0,
-            mlp_dim=int(width * self.mlp_ratio),
-            drop_path_rate=float(rates[block]),
-            dropout_rate=self.dropout_rate,
-            attention_dropout_rate=self.attention_dropout_rate,
-            qkv_bias=self.qkv_bias,
-            relative_position_bias=self.relative_position_bias,
-            attention=self.attention,
-            mlp_activation=self.mlp_activation,
-            mlp_fc2_bias=self.mlp_fc2_bias,
-            layer_norm_epsilon=self.layer_norm_epsilon,
-            moe=self.moe if block in moe_stages[s] else None,
-            stream=self.stream, dtype=self.dtype,
-            expert_parallel=self.expert_parallel, name=param_name(block))(
-                x, ctx.at_block(block), deterministic=deterministic,
-                update_state=update_state)
-        if layer_metrics is not None:
-          metrics[metric_key(block)] = layer_metrics
+          axis_name=self.state_axis_name, moe_blocks=self.moe_stages[s])
+      x, _, stage_metrics = apply_stack(
+          self._stage_builder(s, grid, rates), x, ctx, self.depths[s],
+          segments and segments[s], start=self.stage_start(s),
+          deterministic=deterministic, update_state=update_state,
+          step_inputs=(lambda block: keep_probability(rates[block])
+                       ) if self.drop_path_rate else None)
+      metrics.update(stage_metrics)
     x = nn.LayerNorm(epsilon=self.layer_norm_epsilon, dtype=self.dtype,
                      name="encoder_norm")(x)
     logits = classifier_head(
@@ -456,6 +462,37 @@ class SwinTransformerMoe(nn.Module):
         (m["auxiliary_loss"] for m in metrics.values()),
         jnp.zeros((), jnp.float32))
     return at_least_float32(logits), metrics
+
+  def _stage_builder(self, stage: int, grid: tuple[int, int],
+                     rates: np.ndarray) -> Callable[[int, str], Callable]:
+    """`build(block, name)` of stage `stage`'s blocks for `apply_stack`:
+    the call `(x, ctx, keep=None, deterministic=, update_state=)`, where
+    `keep` (a scanned block's scan input) replaces `1 - rates[block]`."""
+    make_block = block_builder(SwinBlock, self.remat, 3,
+                               prevent_cse=not self.scan)
+    width = self.embed_dim * 2 ** stage
+    window, shift = stage_window(*grid, self.window_size,
+                                 self.window_size // 2)
+    moe_blocks = self.moe_stages[stage]
+
+    def build(block: int, name: str) -> Callable:
+      call = make_block(
+          num_heads=self.num_heads[stage], grid=grid, window=window,
+          shift=shift if (block - self.stage_start(stage)) % 2 else 0,
+          mlp_dim=int(width * self.mlp_ratio),
+          drop_path_rate=float(rates[block]),
+          dropout_rate=self.dropout_rate,
+          attention_dropout_rate=self.attention_dropout_rate,
+          qkv_bias=self.qkv_bias,
+          relative_position_bias=self.relative_position_bias,
+          attention=self.attention, mlp_activation=self.mlp_activation,
+          mlp_fc2_bias=self.mlp_fc2_bias,
+          layer_norm_epsilon=self.layer_norm_epsilon,
+          moe=self.moe if block in moe_blocks else None,
+          stream=self.stream, dtype=self.dtype,
+          expert_parallel=self.expert_parallel, name=name)
+      return lambda x, ctx, keep=None, **flags: call(x, ctx, keep, **flags)
+    return build
 
 
 __all__ = ["PatchMerging", "SwinBlock", "SwinTransformerMoe"]

@@ -133,21 +133,40 @@ class WindowAttention(nn.Module):
     return y.reshape(w, n, c)
 
 
+def keep_probability(rate: float) -> np.float32:
+  """`1 - rate` computed in float64 on the host, then cast once to float32:
+  the value `DropPath` uses for a Python `rate` (which JAX casts the same
+  way), so a scanned block's traced keep probability equals it bit for
+  bit."""
+  return np.float32(1.0 - float(rate))
+
+
 class DropPath(nn.Module):
   """Stochastic depth: zero a residual branch `[B, ...]` per example with
   probability `rate` (training only), scaling the kept ones by
-  `1 / (1 - rate)`; draws from the "dropout" rng stream."""
+  `1 / (1 - rate)`; draws from the "dropout" rng stream.
+
+  `keep`, when given, replaces `1 - rate`: the keep probability as a traced
+  float32 scalar `[]` (a scanned Swin block's per-step value, from
+  `keep_probability`), so one compiled block serves blocks of different
+  rates; a keep of 1 leaves the branch unchanged.
+  """
   rate: float = 0.0
 
   @nn.compact
-  def __call__(self, x: Array, *, deterministic: bool = True) -> Array:
-    if deterministic or self.rate <= 0.0:
+  def __call__(self, x: Array, *, deterministic: bool = True,
+               keep: Optional[Array] = None) -> Array:
+    """x: `[B, ...]` -> `[B, ...]`."""
+    if deterministic or (keep is None and self.rate <= 0.0):
       return x
-    keep = 1.0 - self.rate
+    if keep is None:
+      keep = scale = 1.0 - self.rate
+    else:
+      scale = keep.astype(x.dtype)
     mask = jax.random.bernoulli(self.make_rng("dropout"), keep,
                                 (x.shape[0],) + (1,) * (x.ndim - 1))
-    return jnp.where(mask, x / keep, jnp.zeros_like(x))
+    return jnp.where(mask, x / scale, jnp.zeros_like(x))
 
 
 __all__ = ["CPB_HIDDEN", "DropPath", "POSITION_BIASES", "SWIN_INIT",
-           "WindowAttention", "log_spaced_offsets"]
+           "WindowAttention", "keep_probability", "log_spaced_offsets"]
