@@ -3,11 +3,12 @@
 Remat: jitted, values, persistent router state, intermediates and
 `jax.grad` equal bit for bit to the same model without remat (ViT with
 CMoE's balancing bias, Swin, the language model), compiled with XLA's
-default CPU emitters as the binary compiles. Scan (ViT and Swin, per
-stage): the segment plan by hand; values, metrics and gradients equal to
-the unrolled model on the same parameters (converted layout), and the
-conversion exact both ways; Swin's per-block drop-path rates inside a
-scan; config errors.
+default CPU emitters as the binary compiles. Scan (ViT, Swin per stage,
+the language model): the segment plan by hand; values, metrics and
+gradients equal to the unrolled model on the same parameters (converted
+layout), and the conversion exact both ways; Swin's per-block drop-path
+rates inside a scan; the language model's per-layer caches threaded
+through a scan over two consecutive blocks of text; config errors.
 """
 
 import flax.linen as nn
@@ -19,6 +20,7 @@ from jax.sharding import Mesh
 
 from vmoe_ext.errors import ConfigError
 from vmoe_ext.models.language import LanguageModel
+from vmoe_ext.models.lm_carved import CarvedLanguageModel
 from vmoe_ext.models.stack import (REMAT_CHOICES, Segment, plan_segments,
                                    to_layout, unscan_tree)
 from vmoe_ext.models.swin import SwinTransformerMoe
@@ -184,8 +186,25 @@ def test_remat_and_scan_config_errors():
   mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "expert"))
   with pytest.raises(ConfigError, match="expert parallelism"):
     swin(scan=True, expert_parallel=ExpertParallel(mesh))
+  assert LanguageModel(vocab_size=7, scan=True).scan_segments == (
+      Segment(0, 1, 3),)
+  for fields in ({"architecture": "sgsc"},  # The c layer's ACMoE router.
+                 {"architecture": "sasa"},  # AdamSMoE: first-layer stream.
+                 {"architecture": "smsm", "stream": {"name": "time_varying"}},
+                 {"architecture": "sgsg", "moe": {"router": {
+                     "name": "symphony", "base": {"name": "noisy_topk",
+                                                  "num_selected": 2}}}}):
+    with pytest.raises(ConfigError, match="scan") as error:
+      lm(num_layers=2, scan=True, **fields)
+    assert "cross-layer" in str(error.value), fields
   with pytest.raises(ConfigError, match="scan"):
-    LanguageModel(vocab_size=7, scan=True)
+    lm(scan=1)
+  with pytest.raises(ConfigError, match="expert parallelism"):
+    lm(scan=True, expert_parallel=ExpertParallel(mesh))
+  with pytest.raises(ConfigError, match="carved") as error:
+    CarvedLanguageModel(vocab_size=7, base_arch="glam", num_layers=1,
+                        scan=True)
+  assert error.value.field.endswith("scan")
 
 
 def test_plan_segments_by_hand():
@@ -387,3 +406,122 @@ def test_swin_scan_drop_path_uses_each_blocks_rate():
             keep_probability(rate))
     np.testing.assert_array_equal(traced, static)
     assert (rate == 0) == np.array_equal(traced, x)
+
+
+LM_TOKENS = jnp.asarray(np.random.default_rng(9).integers(0, 11, (2, 2, 4)))
+
+
+def lm(**fields):
+  """vocab 11, width 8, 2 heads, span 4; top-2 of 4 experts (Switch
+  `"sg" * 3` unless `architecture` / `base_arch` say otherwise)."""
+  fields = {"num_layers": 3, "moe": {"num_experts": 4,
+                                     "dispatcher": "indices"}, **fields}
+  return LanguageModel(vocab_size=11, hidden_size=8, inner_hidden_size=8,
+                       num_heads=2, attn_span=4, **fields)
+
+
+def lm_stream(model, variables):
+  """Two consecutive blocks `LM_TOKENS[:, k]` (the second fed the first's
+  new cache): per block, `(grads, (log_probs, new_cache, metrics,
+  intermediates))` of a loss that uses the log-probs, the auxiliary loss
+  and every layer's new cache."""
+  params = variables["params"]
+  rest = {k: v for k, v in variables.items() if k != "params"}
+
+  @jax.jit
+  def step(p, tokens, cache):
+    def loss(p):
+      (log_probs, new_cache, metrics), new = model.apply(
+          {"params": p, **rest}, tokens, cache, deterministic=True,
+          mutable=["intermediates"])
+      value = (jnp.sum(jnp.sin(log_probs)) + metrics["auxiliary_loss"]
+               + sum(jnp.sum(jnp.sin(c)) for c in new_cache))
+      return value, (log_probs, new_cache, metrics, new["intermediates"])
+    return jax.grad(loss, has_aux=True)(p)
+
+  cache, out = model.zero_cache(2), []
+  for k in range(LM_TOKENS.shape[1]):
+    out.append(step(params, LM_TOKENS[:, k], cache))
+    cache = out[-1][1][1]
+  return out
+
+
+def test_lm_scan_plan_by_hand():
+  """Over the layers' sub-layer letters: Switch scans all its layers as
+  one run, GLaM periods of (g, f); a change of letter starts a new run;
+  names are the global layer numbers."""
+  assert lm(num_layers=6, scan=True).scan_segments == (Segment(0, 1, 6),)
+  assert lm(num_layers=3, base_arch="glam", scan=True).scan_segments == (
+      Segment(0, 2, 3),)
+  mixed = lm(num_layers=6, architecture="sgsgsmsmsmsg", scan=True)
+  assert mixed.scan_segments == (Segment(0, 1, 2), Segment(2, 1, 3),
+                                 Segment(5, 1, 1))
+  glam = lm(num_layers=4, base_arch="glam", architecture="sgsfsgsfsmsfsmsf",
+            scan=True)
+  assert glam.scan_segments == (Segment(0, 2, 2), Segment(4, 2, 2))
+  shapes = jax.eval_shape(lambda: glam.init(
+      RNGS, LM_TOKENS[:, 0], glam.zero_cache(2)))["params"]
+  assert sorted(shapes) == ["embedding", "key_pe", "output", "scan_0_2x2",
+                            "scan_4_2x2"]
+  assert lm(num_layers=6).scan_segments is None
+
+
+def test_lm_unscan_gives_the_unrolled_tree():
+  """Every collection of the scanned language model (GLaM, 2 x (g, f)),
+  unscanned: exactly the unrolled model's names, shapes and dtypes."""
+  scanned = lm(num_layers=2, base_arch="glam", scan=True)
+  cache = scanned.zero_cache(2)
+  got = random_variables(scanned, LM_TOKENS[:, 0], cache)
+  want = jax.eval_shape(lambda: lm(num_layers=2, base_arch="glam").init(
+      RNGS, LM_TOKENS[:, 0], cache))
+  assert sorted(got) == sorted(want)
+  assert "scan_0_2x2" in got["params"]
+  spec = lambda a: (a.shape, a.dtype)
+  for name, tree in got.items():
+    assert (jax.tree.map(spec, unscan_tree(tree))
+            == jax.tree.map(spec, dict(want[name]))), name
+
+
+@pytest.mark.parametrize("fields,segments", [
+    # One scan of 2 x (g, f), remat inside.
+    ({"base_arch": "glam", "num_layers": 2, "remat": "full"},
+     (Segment(0, 2, 2),)),
+    # Layers 0-2 (momentum stream) scanned, layer 3 (g) unrolled.
+    ({"num_layers": 4, "architecture": "smsmsmsg"},
+     (Segment(0, 1, 3), Segment(3, 1, 1))),
+])
+def test_lm_scan_equals_unrolled(fields, segments):
+  """The scanned language model on the unrolled one's parameters
+  (`to_layout`, exact both ways), over two consecutive blocks of text (the
+  second fed the first's cache): log-probs, metrics, every layer's new
+  cache, MoE intermediates and gradients as the unrolled model's."""
+  unrolled = lm(**{k: v for k, v in fields.items() if k != "remat"})
+  scanned = lm(**fields, scan=True)
+  assert scanned.scan_segments == segments
+  cache = unrolled.zero_cache(2)
+  variables = random_variables(unrolled, LM_TOKENS[:, 0], cache)
+  like = jax.eval_shape(lambda: scanned.init(RNGS, LM_TOKENS[:, 0], cache))
+  converted = to_layout(variables, like)
+  assert (jax.tree.map(jnp.shape, converted)
+          == jax.tree.map(lambda s: s.shape, dict(like)))
+  assert_equal(to_layout(converted, variables), variables)
+
+  close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5,
+                                                  atol=1e-6)
+  want = lm_stream(unrolled, variables)
+  got = lm_stream(scanned, converted)
+  for (grads, (log_probs, new_cache, metrics, sown)), (
+      want_grads, (want_log_probs, want_cache, want_metrics, want_sown)
+  ) in zip(got, want):
+    close(log_probs, want_log_probs)
+    assert len(new_cache) == len(want_cache) == unrolled.num_layers * (
+        2 if unrolled.base_arch == "glam" else 1)
+    for c, w in zip(new_cache, want_cache):
+      close(c, w)
+    assert sorted(metrics) == sorted(want_metrics)
+    jax.tree.map(close, metrics, want_metrics)
+    jax.tree.map(close, moe_intermediates(sown), moe_intermediates(want_sown))
+    jax.tree.map(close, to_layout({"params": grads}, variables)["params"],
+                 want_grads)
+  # The second block's caches are the first block's layer inputs, not zero.
+  assert all(np.any(np.asarray(c) != 0) for c in got[0][1][1])

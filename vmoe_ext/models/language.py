@@ -25,7 +25,7 @@ i.e. at every block of the text stream; the caches carry over blocks.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import flax.linen as nn
 import jax
@@ -45,13 +45,15 @@ from vmoe_ext.models.precision import (cast_params, float32_state,
                                        resolve_precision_fields)
 from vmoe_ext.models.seq_attention import (SeqAttention, next_cache,
                                            torch_bias_init, torch_linear_init)
-from vmoe_ext.models.stack import block_builder, check_remat, refuse_scan
+from vmoe_ext.models.stack import (Segment, block_builder, check_remat,
+                                   check_scan, is_scanned, plan_segments,
+                                   run_stack, scan_tree, unscan_tree)
 from vmoe_ext.models.sublayer import (DEFAULT_STREAM, MlpBlock,
                                       build_moe_layer, check_moe_placement,
                                       mlp_sublayer)
 from vmoe_ext.moe.contract import RoutingContext
 from vmoe_ext.moe.expert_parallel import ExpertParallel
-from vmoe_ext.naming import metric_key, param_name
+from vmoe_ext.naming import param_name
 from vmoe_ext.streams import STREAMS
 
 Array = jax.Array
@@ -154,7 +156,13 @@ class LanguageModel(nn.Module):
     state_axis_name, expert_parallel, dtype, param_dtype: as
       `VisionTransformerMoe`'s.
     remat: as `VisionTransformerMoe`'s, per layer (`layer`).
-    scan: False only (no scan over the language model's layers).
+    scan: one `nn.scan` per run of layers of one letter or of a repeated
+      period of letters (GLaM's `(g, f)`; `scan_segments`, `.stack`):
+      parameters stacked `[n, ...]` under `scan_{start}_{period}x{n}`, the
+      layers' caches scan inputs and their next caches scan outputs; the
+      unrolled model's values. Not with a router or stream that reads the
+      layer's position (`c` layers' ACMoE, `a` layers' first-layer
+      streams, time-varying momentum), nor with `expert_parallel`.
     attention: "plain" only. The cached attention's key position term
       `q . key_pe` depends on the query, so as a `jax.nn.dot_product_attention`
       bias it would be the whole `[B, N, M, L+M]` score matrix (plus the
@@ -192,7 +200,6 @@ class LanguageModel(nn.Module):
   def __post_init__(self):
     resolve_precision_fields(self)  # Names ("bfloat16") -> dtypes.
     check_remat(self.remat)
-    refuse_scan(self.scan, "the language model's layers")
     require(self.attention == "plain", "attention",
             f"the language model's cached attention has only the 'plain' "
             f"form (its key position term depends on the query, so no fused "
@@ -226,6 +233,9 @@ class LanguageModel(nn.Module):
     check_moe_placement(layer_moe(moe, moe["router"]), stream, stage,
                         self.inner_hidden_size, self.dropout_rate,
                         self.dtype, "relu")
+    routers = [build_moe_layer(layer_moe(moe, moe["router"]),
+                               self.inner_hidden_size, self.dropout_rate,
+                               self.dtype, "relu", parent=None).router]
     if ac_router is not None:
       with renamed_scope("moe.router", "ac_router"):
         layer = build_moe_layer(layer_moe(moe, ac_router),
@@ -233,6 +243,10 @@ class LanguageModel(nn.Module):
                                 self.dtype, "relu", parent=None)
         with field_scope("moe"):
           layer.router.check_stages(stage)
+      routers.append(layer.router)
+    for router in routers:
+      check_scan(self.scan, router, STREAMS.build(stream, parent=None),
+                 expert_parallel=self.expert_parallel)
     for name, value in (("architecture", architecture), ("moe", moe),
                         ("stream", stream), ("ac_router", ac_router)):
       object.__setattr__(self, name, value)
@@ -248,6 +262,15 @@ class LanguageModel(nn.Module):
     """The block indices of the MoE layers."""
     return moe_blocks(self.layers)
 
+  @property
+  def scan_segments(self) -> Optional[tuple[Segment, ...]]:
+    """The scanned runs and unrolled layers (None: `scan` off), planned
+    over the layers' sub-layer letters (Switch `"sg" * n`: one run of n
+    layers; GLaM `"sgsf" * n`: one run of n periods `(g, f)`)."""
+    if not self.scan:
+      return None
+    return plan_segments([spec.ffn for spec in self.layers])
+
   def layer_moe(self, spec: LayerSpec) -> Optional[dict[str, Any]]:
     """The filled `moe` dict of layer `spec` (None for a dense layer)."""
     if not spec.is_moe:
@@ -258,27 +281,36 @@ class LanguageModel(nn.Module):
   def init(self, rngs: Any, *args: Any, **kwargs: Any) -> Any:
     """`nn.Module.init`, then (`initialization="authors"`, no `method`)
     the authors' initialisation of the feed-forward parameters, drawn from
-    the "params" key; the parameters are then cast to `param_dtype`."""
+    the "params" key (on the unrolled layout, so a scanned model redraws
+    exactly the unrolled model's values); the parameters are then cast to
+    `param_dtype`."""
     variables = super().init(rngs, *args, **kwargs)
     if self.initialization == "authors" and kwargs.get("method") is None:
       key = rngs["params"] if isinstance(rngs, Mapping) else rngs
-      variables = {**variables, "params": authors_initialization(
-          variables["params"], jax.random.fold_in(key, 1))}
+      params = variables["params"]
+      redrawn = authors_initialization(unscan_tree(params),
+                                       jax.random.fold_in(key, 1))
+      variables = {**variables, "params": scan_tree(redrawn, params)
+                   if is_scanned(params) else redrawn}
     return cast_params(variables, self.param_dtype)
 
+  @nn.nowrap  # Builds the layer under the calling module (a scan step).
   def layer(self, spec: LayerSpec, h: Array, cache: Array, key_pe: Array,
-            ctx: RoutingContext, *, deterministic: bool, update_state: bool
+            ctx: RoutingContext, *, deterministic: bool, update_state: bool,
+            name: Optional[str] = None
             ) -> tuple[Array, RoutingContext, Optional[dict[str, Any]]]:
     """Layer `spec` on `h` `[B, M, D]` (called inside `__call__`): the new
     `h`, the routing context for the next layer and the layer's metrics (None
-    without an MoE sub-layer). Subclasses replace layers here."""
-    return block_builder(LanguageLayer, self.remat, 4)(
+    without an MoE sub-layer). `name`: the module's (None:
+    `encoderblock_{block}`). Subclasses replace layers here."""
+    return block_builder(LanguageLayer, self.remat, 4,
+                         prevent_cse=not self.scan)(
         ffn=spec.ffn, num_heads=self.num_heads,
         inner_hidden_size=self.inner_hidden_size,
         dropout_rate=self.dropout_rate, moe=self.layer_moe(spec),
         stream=self.stream, layer_norm_epsilon=self.layer_norm_epsilon,
         dtype=self.dtype, expert_parallel=self.expert_parallel,
-        name=param_name(spec.block))(
+        name=param_name(spec.block) if name is None else name)(
             h, cache, key_pe, ctx.at_block(spec.block),
             deterministic=deterministic, update_state=update_state)
 
@@ -316,15 +348,11 @@ class LanguageModel(nn.Module):
         stream_state=float32_state(
             STREAMS.build(self.stream, parent=None).init_state(h)),
         axis_name=self.state_axis_name, moe_blocks=self.moe_layers)
-    new_cache = []
-    metrics: dict[str, Any] = {}
-    for spec in specs:
-      new_cache.append(next_cache(cache[spec.block], h))
-      h, ctx, layer_metrics = self.layer(
-          spec, h, cache[spec.block], key_pe, ctx,
-          deterministic=deterministic, update_state=update_state)
-      if layer_metrics is not None:
-        metrics[metric_key(spec.block)] = layer_metrics
+    # Keyed by block: `layer_{block}` metrics, each layer's next cache.
+    h, ctx, metrics, new_cache = run_stack(
+        self._layer_builder(cache, key_pe), h, ctx, len(specs),
+        self.scan_segments, deterministic=deterministic,
+        update_state=update_state, step_inputs=lambda block: cache[block])
     logits = nn.Dense(self.vocab_size, kernel_init=torch_linear_init(),
                       bias_init=torch_bias_init(self.hidden_size),
                       dtype=self.dtype, name="output")(h)
@@ -332,7 +360,29 @@ class LanguageModel(nn.Module):
     metrics["auxiliary_loss"] = sum(
         (v["auxiliary_loss"] for v in metrics.values()),
         jnp.zeros((), jnp.float32))
-    return log_probs, tuple(new_cache), metrics
+    return log_probs, tuple(new_cache[s.block] for s in specs), metrics
+
+  def _layer_builder(self, cache: Sequence[Array], key_pe: Array
+                     ) -> Callable[[int, str], Callable]:
+    """`build(block, name)` of the layers for `run_stack`: the call
+    `(h, ctx, layer_cache=None, deterministic=, update_state=)` returning
+    `(h, ctx, metrics, next_cache(layer_cache, h))`, the layer's next cache
+    from its input `h`. `layer_cache` `[B, L, D]` (a scanned layer's scan
+    input) replaces `cache[block]`; `key_pe` is shared by every layer."""
+    specs = self.layers
+
+    def build(block: int, name: str) -> Callable:
+      def call(h: Array, ctx: RoutingContext,
+               layer_cache: Optional[Array] = None, *, deterministic: bool,
+               update_state: bool) -> tuple[Array, RoutingContext, Any, Array]:
+        layer_cache = cache[block] if layer_cache is None else layer_cache
+        new = next_cache(layer_cache, h)
+        h, ctx, metrics = self.layer(
+            specs[block], h, layer_cache, key_pe, ctx, name=name,
+            deterministic=deterministic, update_state=update_state)
+        return h, ctx, metrics, new
+      return call
+    return build
 
 
 def language_model_fields(config: dict[str, Any]) -> dict[str, Any]:

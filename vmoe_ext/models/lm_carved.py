@@ -79,12 +79,20 @@ class CarvedLanguageModel(LanguageModel):
 
   Everything else (fields, `zero_cache`, `moe_layers`: the dense model's
   MoE layers) is the `LanguageModel`'s; `__call__` returns what its does.
+  `scan` must be False: carving reads and writes each layer's parameters
+  by its unrolled name (`encoderblock_i`).
   """
   carved_layers: tuple[int, ...] = ()
   carved_moe: Optional[Mapping[str, Any]] = None
 
   def __post_init__(self):
     super().__post_init__()
+    require(self.scan is False, "scan",
+            "the carved language model runs its layers unrolled: carving "
+            "reads and writes each layer's parameters by name "
+            "(encoderblock_i), and a carved 'f' layer is a kind of its own; "
+            "set model.scan=False (a checkpoint trained with scan=True is "
+            "read into the unrolled layout, converted exactly)")
     carved = tuple(self.carved_layers)
     dense = tuple(s.block for s in self.layers if s.ffn == DENSE)
     bad = [b for b in carved if b not in dense]
@@ -101,8 +109,10 @@ class CarvedLanguageModel(LanguageModel):
     object.__setattr__(self, "carved_layers", carved)
     object.__setattr__(self, "carved_moe", moe)
 
+  @nn.nowrap
   def layer(self, spec: LayerSpec, h: Array, cache: Array, key_pe: Array,
-            ctx: RoutingContext, *, deterministic: bool, update_state: bool
+            ctx: RoutingContext, *, deterministic: bool, update_state: bool,
+            name: Optional[str] = None
             ) -> tuple[Array, RoutingContext, Optional[dict[str, Any]]]:
     """A carved `f` layer with its own routing context (so a later `c` layer
     or the stream sees what it saw in the dense model); the others as the
@@ -110,13 +120,14 @@ class CarvedLanguageModel(LanguageModel):
     if spec.block not in self.carved_layers:
       return super().layer(spec, h, cache, key_pe, ctx,
                            deterministic=deterministic,
-                           update_state=update_state)
+                           update_state=update_state, name=name)
     own = RoutingContext(block=spec.block, axis_name=self.state_axis_name,
                          moe_blocks=self.carved_layers)
     h, layer_metrics = CarvedFfnLayer(
         self.num_heads, self.inner_hidden_size, self.carved_moe,
         self.dropout_rate, self.layer_norm_epsilon, self.dtype,
-        self.expert_parallel, name=param_name(spec.block))(
+        self.expert_parallel,
+        name=param_name(spec.block) if name is None else name)(
             h, cache, key_pe, own, deterministic=deterministic,
             update_state=update_state)
     return h, ctx, layer_metrics

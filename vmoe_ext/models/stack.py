@@ -17,7 +17,10 @@ shape letters: B batch, T tokens, D width, n steps of a scanned run.
   by one (`plan_segments`, `apply_stack`). A Swin plans each stage on its
   own (kinds: shifted or not, MoE or not); what differs per block inside a
   run (Swin's drop-path rate) enters as per-step scan inputs
-  (`apply_stack(step_inputs=...)`).
+  (`apply_stack(step_inputs=...)`). The language model plans its layers by
+  their sub-layer letter; each layer's cache `[B, L, D]` is a per-step scan
+  input and its next cache a per-step scan output (`run_stack`), and
+  `key_pe`, shared by every layer, is closed over.
 
 A scanned run of `n` periods of `p` blocks starting at block `s` is one
 module named `scan_name(s, p, n)` (`"scan_{s}_{p}x{n}"`), whose sub-modules
@@ -172,15 +175,6 @@ def scan_name(start: int, period: int, count: int) -> str:
   return f"scan_{start}_{period}x{count}"
 
 
-def refuse_scan(scan: Any, blocks: str) -> None:
-  """Raises ConfigError on `scan` unless False: a backbone whose `blocks`
-  (e.g. "the language model's layers") have no scanned form."""
-  require(scan is False, "scan",
-          f"a scan over blocks is implemented for the ViT / V-MoE / SoftMoE "
-          f"encoder and the Swin / Swin-MoE stages only, not for {blocks}; "
-          f"set scan=False")
-
-
 def check_scan(scan: Any, router: Optional[nn.Module], stream: nn.Module,
                field: str = "scan", expert_parallel: Any = None) -> None:
   """Raises ConfigError on `field` unless `scan` is a bool and, when True,
@@ -205,8 +199,10 @@ def check_scan(scan: Any, router: Optional[nn.Module], stream: nn.Module,
 
 class ScanPeriod(nn.Module):
   """One scan step: `period` blocks, built by `build(j, block)` and applied
-  to the carry `(x, stream_state)`; returns the new carry and the blocks'
-  metrics (a tuple over the period, None for dense blocks).
+  to the carry `(x, stream_state)`; returns the new carry and, as the
+  step's scan outputs, the blocks' `(metrics, outputs)`: tuples over the
+  period of each block's metrics (None for dense blocks) and per-step
+  output (None for blocks that return none; see `run_stack`).
 
   `xs`, the step's scan inputs: None, or a tuple over the period of each
   block's inputs (this step's slice of `step_inputs`), passed to block `j`
@@ -224,30 +220,101 @@ class ScanPeriod(nn.Module):
 
   @nn.compact
   def __call__(self, carry: tuple[Array, Any], xs: Optional[tuple]
-               ) -> tuple[tuple[Array, Any], tuple]:
+               ) -> tuple[tuple[Array, Any], tuple[tuple, tuple]]:
     x, state = carry
     ctx = self.context.replace(stream_state=state)
-    metrics = []
+    metrics, outputs = [], []
     for j in range(self.period):
       block = self.start + j
       inputs = () if xs is None else (xs[j],)
-      x, ctx, m = self.build(j, block)(
+      x, ctx, m, out = self.build(j, block)(
           x, ctx.at_block(block).replace(records=()), *inputs,
           deterministic=self.deterministic, update_state=self.update_state)
       metrics.append(m)
-    return (x, ctx.stream_state), tuple(metrics)
+      outputs.append(out)
+    return (x, ctx.stream_state), (tuple(metrics), tuple(outputs))
+
+
+def _stack(values: Sequence[Any]) -> Any:
+  """`values` stacked on a new leading axis: on the host (`np.stack`)
+  unless one of them is a JAX array (or tracer)."""
+  if any(isinstance(v, jax.Array) for v in values):
+    return jnp.stack(values)
+  return np.stack(values)
 
 
 def stack_inputs(step_inputs: Callable[[int], Any], seg: Segment
                  ) -> tuple:
   """The scan inputs of a scanned run: per block of the period, its blocks'
-  `step_inputs(block)` stacked on a leading axis `[n, ...]` (host arrays,
-  each value exactly the unrolled block's)."""
+  `step_inputs(block)` stacked on a leading axis `[n, ...]` (host values
+  stay host arrays, each value exactly the unrolled block's; traced arrays,
+  e.g. the language model's per-layer caches, are stacked by `jnp.stack`)."""
   return tuple(
-      jax.tree.map(lambda *a: np.stack(a),
+      jax.tree.map(lambda *a: _stack(a),
                    *(step_inputs(seg.start + i * seg.period + j)
                      for i in range(seg.count)))
       for j in range(seg.period))
+
+
+def _unstack(seg: Segment, stacked: Sequence[Any]) -> dict[int, Any]:
+  """`{block: value}` of a scanned run's per-step outputs (a tuple over the
+  period of `[n, ...]` pytrees; None entries: blocks with no output)."""
+  out = {}
+  for j, value in enumerate(stacked):
+    if value is None:
+      continue
+    for i in range(seg.count):
+      out[seg.start + i * seg.period + j] = jax.tree.map(
+          lambda a, i=i: a[i], value)
+  return out
+
+
+def run_stack(parent_build: Callable[..., Callable], x: Array,
+              ctx: RoutingContext, num_blocks: int,
+              segments: Optional[tuple[Segment, ...]], *,
+              deterministic: bool, update_state: bool, start: int = 0,
+              step_inputs: Optional[Callable[[int], Any]] = None
+              ) -> tuple[Array, RoutingContext, dict[str, Any],
+                         dict[int, Any]]:
+  """`apply_stack` for blocks with a per-block output: `parent_build(block,
+  name)`'s call returns `(x, ctx, metrics, output)`, where `output` (None,
+  or a pytree of arrays with the same structure and shapes for every
+  block of a run, e.g. the language model's next cache) is a scanned
+  run's per-step scan output.
+
+  Returns `x`, the context, `{metric_key(block): metrics}` of MoE blocks
+  and `{block: output}` of the blocks whose output is not None.
+  """
+  metrics: dict[str, Any] = {}
+  outputs: dict[int, Any] = {}
+  segments = segments or tuple(Segment(b, 1, 1)
+                               for b in range(start, start + num_blocks))
+  for seg in segments:
+    if not seg.scanned:
+      x, ctx, m, out = parent_build(seg.start, param_name(seg.start))(
+          x, ctx.at_block(seg.start), deterministic=deterministic,
+          update_state=update_state)
+      if m is not None:
+        metrics[metric_key(seg.start)] = m
+      if out is not None:
+        outputs[seg.start] = out
+      continue
+    static = RoutingContext(block=seg.start, axis_name=ctx.axis_name,
+                            moe_blocks=ctx.moe_blocks, primary=ctx.primary)
+    scanned = nn.scan(ScanPeriod, variable_axes={True: 0},
+                      split_rngs={True: True}, length=seg.count)
+    (x, state), (stacked, stacked_out) = scanned(
+        build=lambda j, block: parent_build(block, f"{_PERIOD_PREFIX}{j}"),
+        start=seg.start, period=seg.period, context=static,
+        deterministic=deterministic, update_state=update_state,
+        name=scan_name(seg.start, seg.period, seg.count))(
+            (x, ctx.stream_state),
+            None if step_inputs is None else stack_inputs(step_inputs, seg))
+    ctx = ctx.replace(stream_state=state)
+    metrics.update((metric_key(b), m)
+                   for b, m in sorted(_unstack(seg, stacked).items()))
+    outputs.update(_unstack(seg, stacked_out))
+  return x, ctx, metrics, dict(sorted(outputs.items()))
 
 
 def apply_stack(parent_build: Callable[..., Callable], x: Array,
@@ -263,42 +330,21 @@ def apply_stack(parent_build: Callable[..., Callable], x: Array,
 
   `step_inputs(block)`: None, or what differs per block inside a scanned
   run (a pytree of host scalars or arrays, e.g. Swin's drop-path keep
-  probability): a scanned run takes its blocks' values as scan inputs and
-  calls each block with its step's value as a third positional argument;
-  an unrolled block is called without (its build fixes the value, as a
-  Python constant).
+  probability; or of traced arrays): a scanned run takes its blocks' values
+  as scan inputs and calls each block with its step's value as a third
+  positional argument; an unrolled block is called without (its build fixes
+  the value, as a Python constant or a closed-over array).
 
-  Returns `x`, the context and `{metric_key(block): metrics}` of MoE blocks.
+  Returns `x`, the context and `{metric_key(block): metrics}` of MoE blocks
+  (in block order). Blocks with a per-block output: `run_stack`.
   """
-  metrics: dict[str, Any] = {}
-  segments = segments or tuple(Segment(b, 1, 1)
-                               for b in range(start, start + num_blocks))
-  for seg in segments:
-    if not seg.scanned:
-      x, ctx, m = parent_build(seg.start, param_name(seg.start))(
-          x, ctx.at_block(seg.start), deterministic=deterministic,
-          update_state=update_state)
-      if m is not None:
-        metrics[metric_key(seg.start)] = m
-      continue
-    static = RoutingContext(block=seg.start, axis_name=ctx.axis_name,
-                            moe_blocks=ctx.moe_blocks, primary=ctx.primary)
-    scanned = nn.scan(ScanPeriod, variable_axes={True: 0},
-                      split_rngs={True: True}, length=seg.count)
-    (x, state), stacked = scanned(
-        build=lambda j, block: parent_build(block, f"{_PERIOD_PREFIX}{j}"),
-        start=seg.start, period=seg.period, context=static,
-        deterministic=deterministic, update_state=update_state,
-        name=scan_name(seg.start, seg.period, seg.count))(
-            (x, ctx.stream_state),
-            None if step_inputs is None else stack_inputs(step_inputs, seg))
-    ctx = ctx.replace(stream_state=state)
-    for j, m in enumerate(stacked):
-      if m is None:
-        continue
-      for i in range(seg.count):
-        metrics[metric_key(seg.start + i * seg.period + j)] = jax.tree.map(
-            lambda a, i=i: a[i], m)
+  def build(block: int, name: str) -> Callable:
+    call = parent_build(block, name)
+    return lambda *args, **flags: (*call(*args, **flags), None)
+
+  x, ctx, metrics, _ = run_stack(
+      build, x, ctx, num_blocks, segments, deterministic=deterministic,
+      update_state=update_state, start=start, step_inputs=step_inputs)
   return x, ctx, metrics
 
 
@@ -373,6 +419,5 @@ def to_layout(variables: Mapping[str, Any], like: Mapping[str, Any]
 
 __all__ = ["REMAT_CHOICES", "REMAT_POLICIES", "Segment", "ScanPeriod",
            "apply_stack", "block_builder", "check_remat", "check_scan",
-           "refuse_scan",
-           "is_scanned", "plan_segments", "scan_name", "scan_tree",
-           "stack_inputs", "to_layout", "unscan_tree"]
+           "is_scanned", "plan_segments", "run_stack", "scan_name",
+           "scan_tree", "stack_inputs", "to_layout", "unscan_tree"]
