@@ -1,10 +1,13 @@
 """Compile time of the train step, unrolled blocks vs `model.scan`.
 
-    python benchmarks/compile_time.py [--quick]
+    python benchmarks/compile_time.py [--quick] [--backbone vit|swin]
 
 Issue 48 (deliverable 3). A deep, narrow V-MoE (every second block an MoE
 layer, V-MoE Every-2; tiny width so that compilation, not the program's
-size, dominates) is built twice: with its blocks unrolled (`model.scan`
+size, dominates) or, with `--backbone swin`, a narrow Swin-MoE whose third
+stage has the depth (Swin-S's deep stage: every second block MoE, 2 + 2 +
+depth + 2 blocks in all, the first two and the last stage unrolled since a
+2-block stage is no repeated period) is built twice: with its blocks unrolled (`model.scan`
 False, today's layout) and with them applied by one `nn.scan` over periods
 of (dense, MoE) blocks (`vmoe_ext.models.stack`). For each depth, the
 project's whole train step (`make_train_step`: forward, backward, AdamW
@@ -21,6 +24,7 @@ The last line printed is one JSON object: per depth and candidate
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import sys
@@ -30,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import machine, parse_args, print_json_last  # noqa: E402
+from common import machine, print_json_last  # noqa: E402
 
 from vmoe_ext.models import build_model  # noqa: E402
 from vmoe_ext.train.optimizer import (make_learning_rate,  # noqa: E402
@@ -54,11 +58,27 @@ def model_config(depth: int, **fields) -> dict:
               **fields)
 
 
-def compile_seconds(config: dict, batch: int) -> tuple[float, float]:
+def swin_config(depth: int, **fields) -> dict:
+  """A narrow Swin-MoE on 32 x 32 images (patch 2: stage grids 16, 8, 4, 2,
+  windows of 4), stage 2 of `depth` blocks, every second one MoE."""
+  return dict(name="swin_moe", num_classes=10, patch_size=(2, 2),
+              embed_dim=16, depths=(2, 2, depth, 2), num_heads=(2, 2, 2, 2),
+              window_size=4, mlp_ratio=2.0, drop_path_rate=0.1,
+              moe_blocks=((-1,), (-1,), tuple(range(1, depth, 2)), (1,)),
+              moe=dict(num_experts=4, group_size=None, router=dict(
+                  name="swin_moe", num_selected=2, gate_noise=1.0)),
+              **fields)
+
+
+BACKBONES = {"vit": (model_config, 16), "swin": (swin_config, 32)}
+
+
+def compile_seconds(config: dict, batch: int, image: int = 16
+                    ) -> tuple[float, float]:
   """`(lower_s, compile_s)` of one fresh train-step compile."""
   model = build_model(config)
   tx = make_optimizer(dict(OPTIMIZER))
-  images = jax.ShapeDtypeStruct((batch, 16, 16, 3), jnp.float32)
+  images = jax.ShapeDtypeStruct((batch, image, image, 3), jnp.float32)
   variables = jax.eval_shape(model.init, jax.random.key(0), images)
   state = jax.eval_shape(
       lambda v: TrainState.create(v, tx, jax.random.key(1)), variables)
@@ -74,21 +94,29 @@ def compile_seconds(config: dict, batch: int) -> tuple[float, float]:
 
 
 def main(argv=None) -> dict:
-  args = parse_args(__doc__.splitlines()[0], argv)
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true",
+                      help="depths 8 and 24, one compile per candidate")
+  parser.add_argument("--repeats", type=int, default=3,
+                      help="interleaved compiles per candidate (median)")
+  parser.add_argument("--backbone", choices=tuple(BACKBONES), default="vit")
+  args = parser.parse_args(argv)
+  config_of, image = BACKBONES[args.backbone]
   jax.config.update("jax_enable_compilation_cache", False)
   depths = (8, 24) if args.quick else (12, 24, 48)
   repeats = 1 if args.quick else max(1, min(args.repeats, 3))
   batch = 8
-  figures: dict = {"quick": args.quick, "machine": machine(),
-                   "depths": list(depths), "repeats": repeats,
+  figures: dict = {"quick": args.quick, "backbone": args.backbone,
+                   "machine": machine(), "depths": list(depths),
+                   "repeats": repeats,
                    "load_average": list(os.getloadavg())}
-  compile_seconds(model_config(2), batch)  # Warm-up, not reported.
+  compile_seconds(config_of(2), batch, image)  # Warm-up, not reported.
   for depth in depths:
     samples = {name: [] for name in CANDIDATES}
     for _ in range(repeats):
       for name, fields in CANDIDATES.items():
-        samples[name].append(compile_seconds(model_config(depth, **fields),
-                                             batch))
+        samples[name].append(compile_seconds(config_of(depth, **fields),
+                                             batch, image))
     for name, runs in samples.items():
       lower = statistics.median(r[0] for r in runs)
       comp = statistics.median(r[1] for r in runs)
