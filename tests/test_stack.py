@@ -186,6 +186,8 @@ def test_remat_and_scan_config_errors():
   mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "expert"))
   with pytest.raises(ConfigError, match="expert parallelism"):
     swin(scan=True, expert_parallel=ExpertParallel(mesh))
+  with pytest.raises(ConfigError, match="expert parallelism"):
+    vit(scan=True, expert_parallel=ExpertParallel(mesh))
   assert LanguageModel(vocab_size=7, scan=True).scan_segments == (
       Segment(0, 1, 3),)
   for fields in ({"architecture": "sgsc"},  # The c layer's ACMoE router.

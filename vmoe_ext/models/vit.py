@@ -234,11 +234,8 @@ class VisionTransformerMoe(nn.Module):
     check_scan(self.scan, moe and build_moe_layer(
         moe, self.mlp_dim, self.dropout_rate, self.dtype,
         self.mlp_activation, parent=None).router,
-               STREAMS.build(stream, parent=None))
-    require(not (self.scan and self.expert_parallel is not None), "scan",
-            "a scan over blocks does not run with expert parallelism (its "
-            "stacked expert weights would need their own sharding); set "
-            "scan=False")
+               STREAMS.build(stream, parent=None),
+               expert_parallel=self.expert_parallel)
     object.__setattr__(self, "moe", moe)
     object.__setattr__(self, "stream", stream)
     super().__post_init__()
